@@ -1,0 +1,37 @@
+# Every target that runs code depends on .venv, so `make run` and `make test` set themselves up.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup run test sweep ui lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first: a bare torch requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+run: setup
+	$(PY) -m pipeline model=mistral3 capture=partial $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+sweep: setup
+	$(PY) -m pipeline -m model=tiny_mistral3 capture=none,full,partial $(ARGS)
+
+ui: setup
+	$(PY) -m pipeline.tools.ui $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check pipeline tests
+	$(VENV)/bin/ruff format --check pipeline tests
+
+clean:
+	rm -rf outputs/2* outputs/multirun .pytest_cache .ruff_cache

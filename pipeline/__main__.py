@@ -1,0 +1,100 @@
+"""`python -m pipeline [overrides]`: compose, validate, run the stages.
+
+Exit codes: 0 done, 1 a run failed (its MLflow run is FAILED), 2 a config mistake (nothing built,
+no MLflow run). Errors are printed as one line; tracebacks of failed stages are in the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.config import register_schemas, validate
+from pipeline.errors import ConfigError, RunFailed
+
+log = logging.getLogger("pipeline")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def job(cfg: DictConfig) -> None:
+    """One Hydra job. In a single run, errors end the process here with their one line and exit
+    code; in a multirun they are raised so Hydra records the job as failed and runs the next."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        _job(cfg)
+        return
+    try:
+        _job(cfg)
+    except (ConfigError, RunFailed) as exc:
+        print(f"{'config error' if isinstance(exc, ConfigError) else 'run failed'}: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+def _job(cfg: DictConfig) -> None:
+    from pipeline.models import zoo
+
+    validate(cfg, _cuda_available())
+    hf_config = zoo.build_hf_config(cfg.model)
+    zoo.resolve_model_class(cfg.model, hf_config)
+    if cfg.dry_run:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return
+    from pipeline.runner import Runner
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    Runner(cfg, run_dir, hf_config).run()
+    log.info("run folder: %s", run_dir)
+
+
+hydra_job = hydra.main(version_base="1.3", config_path="../conf", config_name="config")(job)
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra and OmegaConf errors span several lines (option lists, full_key, object_type)."""
+    parts = []
+    for err in (exc, exc.__cause__):
+        if err is None:
+            continue
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        lines = [line for line in lines if not line.startswith(("object_type=", "reference_type="))]
+        if "Config search path:" in lines:  # MissingConfigException: keep the available options only
+            lines = lines[: lines.index("Config search path:")]
+        if len(lines) > 2 and lines[1].startswith("Available options"):
+            lines = [lines[0], lines[1].rstrip(":") + ": " + ", ".join(lines[2:])]
+        if lines:
+            parts.append(lines[0] + (" (" + ", ".join(lines[1:]) + ")" if lines[1:] else ""))
+    return ": ".join(parts)
+
+
+def main() -> None:
+    # Exceptions reach this function instead of Hydra's printer, so config mistakes exit 2.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    register_schemas()
+    try:
+        hydra_job()
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except (HydraException, OmegaConfBaseException) as exc:
+        print(f"config error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

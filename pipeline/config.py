@@ -1,0 +1,201 @@
+"""Structured-config schemas and the up-front checks.
+
+The dataclasses below are registered in Hydra's ConfigStore as the schema of `conf/config.yaml`, so a
+misspelt key or a value of the wrong type fails at composition. `validate()` then checks what a
+schema cannot express (cross-field limits, what this machine can run) before any model is built.
+Every failure here is a `ConfigError`: one line naming the key and the fix, exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from pipeline.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    hf_id: str = MISSING
+    architecture: str = MISSING  # the HF class the factory must produce
+    model_factory: str = MISSING  # see pipeline.models.zoo.MODEL_FACTORIES
+    hf_config: dict[str, Any] = field(default_factory=dict)  # published config.json values
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # deep-merged over hf_config
+    skip_loading_weights: bool = True  # random, seeded weights
+    checkpoint: str | None = None  # local HF folder with config.json + *.safetensors
+    trust_remote_code: bool = False
+
+
+@dataclass
+class RuntimeConfig:
+    name: str = "demollm"
+    attn_page_size: int = 64
+    max_input_len: int = 4096
+    max_seq_len: int = 8192
+    max_batch_size: int = 8
+    max_num_tokens: int = 8192
+    world_size: int = 0
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "auto"
+
+
+@dataclass
+class CaptureConfig:
+    mode: str = "partial"
+    submodules: list[str] | None = None  # dotted paths; None: find the language model
+
+
+@dataclass
+class PromptConfig:
+    batch_size: int = 1
+    prompt_len: int = 128
+    output_len: int = 32
+    queries: list[Any] | None = None
+    image_size: int | None = None  # synthetic image side in pixels; None: the model family's default
+
+
+@dataclass
+class ProfileConfig:
+    decode_steps: int = 8
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str | None = None  # None: sqlite:///<repo>/mlflow.db
+    experiment: str = "pipeline"
+
+
+@dataclass
+class BenchmarkConfig:
+    enabled: bool = False
+
+
+@dataclass
+class PipelineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    dry_run: bool = False
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
+
+
+BACKENDS = ("auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt")
+CUDA_ONLY_BACKENDS = ("torch-cudagraph", "torch-opt")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
+CUDA_ONLY_ATTENTION = ("flashinfer", "triton")
+CAPTURE_MODES = ("none", "full", "partial")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value} is not known; use one of: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+
+
+def validate(cfg: Any, cuda_available: bool) -> None:
+    """Checks that need no model: limits, combinations and what this machine can run."""
+    _one_of("device", cfg.device, DEVICES)
+    _one_of("dtype", cfg.dtype, DTYPES)
+    _one_of("backend.name", cfg.backend.name, BACKENDS)
+    _one_of("attention.name", cfg.attention.name, ATTENTION_BACKENDS)
+    _one_of("capture.mode", cfg.capture.mode, CAPTURE_MODES)
+    if cfg.runtime.name != "demollm":
+        raise ConfigError(f"runtime.name={cfg.runtime.name} is not known; use runtime=demollm")
+
+    if cfg.device == "cuda" and not cuda_available:
+        raise ConfigError("device=cuda but no CUDA device is available here; use device=auto or device=cpu")
+    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
+    if cfg.backend.name in CUDA_ONLY_BACKENDS and not on_cuda:
+        raise ConfigError(
+            f"backend={cfg.backend.name} needs a CUDA device, and this run is on CPU; use backend=auto"
+        )
+    if cfg.backend.name in CUDA_ONLY_BACKENDS and cfg.capture.mode == "none":
+        raise ConfigError(
+            f"backend={cfg.backend.name} captures graphs, and capture=none has none; use capture=partial or capture=full"
+        )
+    if cfg.attention.name in CUDA_ONLY_ATTENTION and not on_cuda:
+        raise ConfigError(
+            f"attention={cfg.attention.name} needs a CUDA device, and this run is on CPU; use attention=auto"
+        )
+
+    rt, prompt = cfg.runtime, cfg.prompt
+    for key in ("attn_page_size", "max_input_len", "max_seq_len", "max_batch_size", "max_num_tokens"):
+        _positive(f"runtime.{key}", rt[key])
+    for key in ("batch_size", "prompt_len", "output_len"):
+        _positive(f"prompt.{key}", prompt[key])
+    _positive("profile.decode_steps", cfg.profile.decode_steps)
+    if prompt.image_size is not None:
+        _positive("prompt.image_size", prompt.image_size)
+    if rt.world_size > 1:
+        raise ConfigError(
+            f"runtime.world_size={rt.world_size}: tensor parallelism is not implemented; use runtime.world_size=0"
+        )
+    if rt.world_size < 0:
+        raise ConfigError(f"runtime.world_size={rt.world_size} must be 0 (single device) or 1")
+    if rt.max_seq_len % rt.attn_page_size:
+        raise ConfigError(
+            f"runtime.max_seq_len={rt.max_seq_len} is not a multiple of runtime.attn_page_size={rt.attn_page_size}; "
+            "make it one"
+        )
+    if prompt.prompt_len > rt.max_input_len:
+        raise ConfigError(
+            f"prompt.prompt_len={prompt.prompt_len} exceeds runtime.max_input_len={rt.max_input_len}; "
+            "shorten the prompt or raise runtime.max_input_len"
+        )
+    if prompt.prompt_len + prompt.output_len > rt.max_seq_len:
+        raise ConfigError(
+            f"prompt.prompt_len + prompt.output_len = {prompt.prompt_len + prompt.output_len} exceeds "
+            f"runtime.max_seq_len={rt.max_seq_len}; shorten them or raise runtime.max_seq_len"
+        )
+    if prompt.batch_size > rt.max_batch_size:
+        raise ConfigError(
+            f"prompt.batch_size={prompt.batch_size} exceeds runtime.max_batch_size={rt.max_batch_size}; "
+            "raise runtime.max_batch_size"
+        )
+    prefill_tokens = prompt.batch_size * prompt.prompt_len
+    if prefill_tokens > rt.max_num_tokens:
+        # Never raised silently: a larger token budget means more memory (the seed's discussion).
+        raise ConfigError(
+            f"prompt.batch_size * prompt.prompt_len = {prefill_tokens} exceeds runtime.max_num_tokens="
+            f"{rt.max_num_tokens}, so prefill would not fit one step; set runtime.max_num_tokens>={prefill_tokens}"
+        )
+    if cfg.model.checkpoint is None and not cfg.model.skip_loading_weights:
+        raise ConfigError(
+            "model.skip_loading_weights=false needs weights: set model.checkpoint=/local/hf/folder "
+            "or model.skip_loading_weights=true"
+        )
+    if cfg.capture.submodules is not None and cfg.capture.mode != "partial":
+        raise ConfigError(
+            f"capture.submodules is set but capture={cfg.capture.mode}; use capture=partial or drop capture.submodules"
+        )

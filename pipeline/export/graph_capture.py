@@ -1,0 +1,307 @@
+"""Partial graph capture: export a submodule kwargs-only and put the graph back in its place.
+
+The first seed's two changes live here: a graph nested inside a larger nn.Module, and kwargs-only
+inputs. The kwargs a submodule really receives are recorded by running the whole model once with a
+forward pre-hook on it; tensors become graph inputs, other values constants of the export, and
+None values are dropped. Three pitfalls measured on this machine are handled (see
+../shared/reference/seed-models.md): constants must go into the export, the parent still asks the
+graph for its input embeddings, and the exported module rejects kwargs it was not exported with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import io
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+_PRIMITIVES = (bool, int, float, str)
+
+
+class ExportError(Exception):
+    pass
+
+
+class ExportFailed(Exception):
+    """torch.export raised (the cause is chained); `console` is what it printed meanwhile."""
+
+    def __init__(self, console: str):
+        super().__init__("torch.export failed")
+        self.console = console
+
+
+@dataclass
+class RecordedCall:
+    kwargs: dict[str, Any]  # the call as the parent made it, positional args bound to their names
+
+    def split(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
+        """(graph inputs, export constants, dropped None names)."""
+        tensors, constants, dropped = {}, {}, []
+        for name, value in self.kwargs.items():
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value
+            elif value is None:
+                dropped.append(name)
+            elif isinstance(value, _PRIMITIVES):
+                constants[name] = value
+            else:
+                raise ExportError(
+                    f"kwarg '{name}' of type {type(value).__name__} is neither a tensor nor a constant; "
+                    "call the model with use_cache=False so no cache object reaches the graph"
+                )
+        return tensors, constants, dropped
+
+
+@dataclass
+class CapturedGraph:
+    path: str  # dotted path in the parent model; "" when the whole model was captured
+    graph_module: torch.fx.GraphModule
+    tensor_inputs: list[str]
+    constants: dict[str, Any]  # baked into the graph; a call must pass the same values or none
+    dropped: list[str]
+    dynamic_dims: dict[str, dict[int, str]]  # input name -> {dim: "batch" | "seq"}
+    range_constraints: dict[str, str]
+    export_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path or "model"
+
+    def node_counts(self) -> dict[str, int]:
+        """Nodes by op kind, and call_function nodes by target: what the graph is made of."""
+        counts: Counter[str] = Counter()
+        for node in self.graph_module.graph.nodes:
+            counts[node.op] += 1
+            if node.op == "call_function":
+                counts[f"call_function:{node.target}"] += 1
+        return dict(sorted(counts.items()))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.graph_module.graph.nodes)
+
+
+def find_language_models(model: nn.Module, text_config) -> list[str]:
+    """The decoder stack of a VLM: the outermost module whose config is the text config and that
+    holds the decoder `layers` (Llama-4's `language_model` is the CausalLM around it)."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if getattr(module, "config", None) is text_config and hasattr(module, "layers"):
+            if not any(path.startswith(outer + ".") for outer in found):
+                found.append(path)
+    return found
+
+
+def _bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional args by name, so the graph can be kwargs-only whatever the caller does."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    named = dict(bound.arguments)
+    for param in inspect.signature(module.forward).parameters.values():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(param.name, {}))
+    return named
+
+
+def record_calls(
+    model: nn.Module, paths: list[str], call: dict[str, Any]
+) -> tuple[dict[str, RecordedCall], Any]:
+    """Run the whole model once; returns the first call each submodule received, and the output."""
+    recorded: dict[str, RecordedCall] = {}
+    handles = []
+    for path in paths:
+        module = model.get_submodule(path)
+
+        def hook(mod, args, kwargs, path=path):
+            recorded.setdefault(path, RecordedCall(_bind(mod, args, kwargs)))
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            output = model(**call)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [p for p in paths if p not in recorded]
+    if missing:
+        raise ExportError(
+            f"submodule(s) {', '.join(missing)} did not run in the model's forward; check capture.submodules"
+        )
+    return recorded, output
+
+
+def dynamic_shape_spec(
+    module: nn.Module, tensors: dict[str, torch.Tensor], batch: int, seq: int
+) -> tuple[dict[str, Any], dict[str, dict[int, str]]]:
+    """Dim.AUTO for every batch and sequence dim, matched by size (the example batch and sequence
+    lengths are chosen so no other dim shares them). The spec follows the forward's signature:
+    names that travel through **kwargs are nested under that parameter, as export requires."""
+    dims: dict[str, dict[int, str]] = {}
+    params = inspect.signature(module.forward).parameters
+    var_kw = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    nested: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        spec: dict[int, Any] = {}
+        marks: dict[int, str] = {}
+        for i, size in enumerate(tensor.shape):
+            if size == seq:
+                spec[i], marks[i] = Dim.AUTO, "seq"
+            elif size == batch and "batch" not in marks.values():
+                spec[i], marks[i] = Dim.AUTO, "batch"
+        dims[name] = marks
+        if name in params or var_kw is None:
+            nested[name] = spec or None
+        else:
+            nested.setdefault(var_kw, {})[name] = spec or None
+    return nested, dims
+
+
+@contextlib.contextmanager
+def constants_bound(module: nn.Module, constants: dict[str, Any]) -> Iterator[None]:
+    """Export sees a forward with the constants already bound, so they are baked into the graph and
+    the graph's inputs are the tensors alone (a dynamic_shapes entry for a constant that travels
+    through **kwargs is rejected by export, as Llama-4's output_attentions is)."""
+    module.forward = functools.partial(module.forward, **constants)
+    try:
+        yield
+    finally:
+        del module.forward  # the instance attribute; the class's forward shows again
+
+
+def export_module(
+    module: nn.Module, path: str, recorded: RecordedCall, batch: int, seq: int
+) -> CapturedGraph:
+    tensors, constants, dropped = recorded.split()
+    spec, dims = dynamic_shape_spec(module, tensors, batch, seq)
+    start = time.perf_counter()
+    # On failure torch prints the partial graph (hundreds of lines) to stderr: keep it for the
+    # run's logs instead of the console.
+    stderr = io.StringIO()
+    try:
+        with torch.no_grad(), constants_bound(module, constants), contextlib.redirect_stderr(stderr):
+            program = torch.export.export(module, (), tensors, dynamic_shapes=spec, strict=False)
+    except Exception as exc:
+        raise ExportFailed(stderr.getvalue()) from exc
+    graph_module = program.module()
+    export_s = time.perf_counter() - start
+    captured = CapturedGraph(
+        path=path,
+        graph_module=graph_module,
+        tensor_inputs=list(tensors),
+        constants=constants,
+        dropped=dropped,
+        dynamic_dims=dims,
+        range_constraints={str(k): str(v) for k, v in program.range_constraints.items()},
+        export_s=export_s,
+    )
+    _check_dynamic(program, captured)
+    _install_kwargs_adapter(graph_module, module, captured)
+    _keep_parent_interface(graph_module, module)
+    return captured
+
+
+def _check_dynamic(program, captured: CapturedGraph) -> None:
+    """Dim.AUTO never fails export; it specializes silently. Say so when it did."""
+    placeholders = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+    for name, marks in captured.dynamic_dims.items():
+        node = placeholders.get(name)
+        value = node.meta.get("val") if node is not None else None
+        if value is None:
+            continue
+        for dim, role in marks.items():
+            if not isinstance(value.shape[dim], torch.SymInt):
+                captured.notes.append(
+                    f"{name} dim {dim} ({role}) was specialized to {value.shape[dim]} by export"
+                )
+
+
+def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module, captured: CapturedGraph) -> None:
+    """Map the parent's call onto the graph's exact kwargs before export's own input check runs."""
+    signature_owner = original
+    inputs = set(captured.tensor_inputs)
+
+    def adapt(module, args, kwargs):
+        call = _bind(signature_owner, args, kwargs)
+        adapted: dict[str, Any] = {}
+        for name, value in call.items():
+            if name in inputs:
+                adapted[name] = value
+            elif name in captured.constants:
+                if value != captured.constants[name]:
+                    raise ExportError(
+                        f"graph '{captured.name}' was exported with {name}={captured.constants[name]!r} "
+                        f"and called with {name}={value!r}; capture the model with that call instead"
+                    )
+            elif value is not None:
+                raise ExportError(
+                    f"graph '{captured.name}' was exported without '{name}' and was called with it "
+                    f"({type(value).__name__}); its inputs are {sorted(inputs)}"
+                )
+        return (), adapted
+
+    graph_module.register_forward_pre_hook(adapt, with_kwargs=True, prepend=True)
+
+
+def _keep_parent_interface(graph_module: nn.Module, original: nn.Module) -> None:
+    """What the eager parent still asks of its child: the input embeddings (a VLM embeds the text
+    tokens itself before calling the language model, by method or by attribute, as Llama-4's
+    `self.model.embed_tokens`) and the config. The real embedding module goes back at its own path;
+    its weight is the same Parameter the graph holds, so nothing is copied."""
+    embeddings = original.get_input_embeddings() if hasattr(original, "get_input_embeddings") else None
+    if isinstance(embeddings, nn.Module):
+        path = next((name for name, mod in original.named_modules() if mod is embeddings), None)
+        if path:
+            graph_module.set_submodule(path, embeddings, strict=False)
+        object.__setattr__(graph_module, "get_input_embeddings", lambda: embeddings)
+    if hasattr(original, "config"):
+        object.__setattr__(graph_module, "config", original.config)
+
+
+def eager_parts(model: nn.Module, captured_paths: list[str]) -> list[str]:
+    """The outermost modules left eager: siblings along the way to each captured graph."""
+    parts: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = prefix + name
+            if path in captured_paths:
+                continue
+            if any(c.startswith(path + ".") for c in captured_paths):
+                walk(child, path + ".")
+            else:
+                parts.append(path)
+
+    walk(model, "")
+    return parts
+
+
+def install(model: nn.Module, captured: CapturedGraph) -> nn.Module:
+    """Swap the graph in; returns the new root (the graph itself when the whole model was captured)."""
+    if not captured.path:
+        return captured.graph_module
+    model.set_submodule(captured.path, captured.graph_module)
+    return model
+
+
+def module_of_failure(exc: BaseException, model: nn.Module) -> str | None:
+    """The deepest module of `model` whose forward was on the stack when `exc` was raised."""
+    names = {id(m): (path or type(model).__name__) for path, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found

@@ -1,0 +1,118 @@
+"""Runs the stages in order: a line per stage with its time, MLflow logging, failure capture.
+
+A stage that raises ends the job: its stage and a short cause go to the log, to MLflow (tags
+`failed_stage`, `error`; status FAILED) and to `<run_dir>/logs/<stage>_traceback.txt`; everything
+written so far stays. An interrupt ends the run KILLED.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from pipeline.errors import RunFailed, short_cause
+from pipeline.stages import export, load
+from pipeline.state import RunState, StageResult
+from pipeline.tracking import Tracker, flatten_params, git_commit
+
+log = logging.getLogger(__name__)
+
+# The order of the pipeline; later issues add transforms, capture, profile and report.
+STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
+    ("load", load.run),
+    ("export", export.run),
+]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def run_name(cfg: DictConfig) -> str:
+    return f"{cfg.model.name}-{cfg.capture.mode}-{cfg.backend.name}"
+
+
+class Runner:
+    def __init__(self, cfg: DictConfig, run_dir: Path, hf_config):
+        device = resolve_device(cfg.device)
+        self.state = RunState(
+            cfg=cfg,
+            run_dir=run_dir,
+            device=device,
+            dtype=resolve_dtype(cfg.dtype, device),
+            hf_config=hf_config,
+        )
+        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, cfg.tracking.enabled)
+
+    def _tags(self) -> dict[str, str]:
+        cfg, state = self.state.cfg, self.state
+        return {
+            "model": cfg.model.name,
+            "capture": cfg.capture.mode,
+            "backend": cfg.backend.name,
+            "attention": cfg.attention.name,
+            "device": str(state.device),
+            "dtype": str(state.dtype).removeprefix("torch."),
+            "git_commit": git_commit(),
+            "run_dir": str(state.run_dir.resolve()),
+        }
+
+    def run(self) -> RunState:
+        state = self.state
+        (state.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.tracker.start(run_name(state.cfg), self._tags(), flatten_params(state.cfg))
+        self.tracker.log_artifact(state.run_dir / ".hydra")
+        start = time.perf_counter()
+        for name, stage in STAGES:
+            log.info("[%s] ...", name)
+            t0 = time.perf_counter()
+            try:
+                result = stage(state)
+            except KeyboardInterrupt:
+                self._fail(name, "interrupted", status="KILLED")
+                raise
+            except Exception as exc:
+                cause = short_cause(exc)
+                (state.run_dir / "logs" / f"{name}_traceback.txt").write_text(traceback.format_exc())
+                log.error("[%s] FAILED after %.1f s: %s", name, time.perf_counter() - t0, cause)
+                self._fail(name, cause, status="FAILED")
+                raise RunFailed(name, cause) from exc
+            seconds = time.perf_counter() - t0
+            for note in result.notes:
+                log.info("[%s] %s", name, note)
+            log.info("[%s] done in %.1f s", name, seconds)
+            self.tracker.log_metrics({f"time/{name}_s": seconds, **result.metrics})
+            for path in result.artifacts:
+                self.tracker.log_artifact(path)
+        self.tracker.log_metrics({"time/total_s": time.perf_counter() - start})
+        self._log_job_log()
+        self.tracker.end("FINISHED")
+        return state
+
+    def _fail(self, stage: str, cause: str, status: str) -> None:
+        self.tracker.set_tags({"failed_stage": stage, "error": cause})
+        self.tracker.log_artifact(self.state.run_dir / "logs")
+        for folder in ("export",):  # whatever the stages wrote before the failure
+            self.tracker.log_artifact(self.state.run_dir / folder)
+        self._log_job_log()
+        self.tracker.end(status)
+
+    def _log_job_log(self) -> None:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.flush()
+        self.tracker.log_artifact(self.state.run_dir / "pipeline.log")

@@ -1,0 +1,63 @@
+"""load: build the Hugging Face model offline (random seeded weights, or a local checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+
+from pipeline.export.graph_capture import find_language_models
+from pipeline.models import build, zoo
+from pipeline.models.inputs import make_example_inputs
+from pipeline.state import ModelInfo, RunState, StageResult
+
+log = logging.getLogger(__name__)
+
+EXAMPLE_BATCH = 2  # export needs a batch > 1 to keep the batch dim dynamic
+
+
+def run(state: RunState) -> StageResult:
+    model_cfg = state.cfg.model
+    model_cls = zoo.resolve_model_class(model_cfg, state.hf_config)
+    if model_cfg.checkpoint:
+        model, report = build.load_checkpoint(
+            model_cls,
+            model_cfg.checkpoint,
+            state.hf_config,
+            state.dtype,
+            state.device,
+            model_cfg.trust_remote_code,
+        )
+        source = model_cfg.checkpoint
+    else:
+        model, report = build.build_random(
+            model_cls, state.hf_config, state.dtype, state.device, state.cfg.seed
+        )
+        source = f"random (seed {state.cfg.seed})"
+    state.model = model
+    state.model_info = ModelInfo(
+        architecture=type(model).__name__,
+        params=report.params,
+        bytes=report.bytes,
+        init_s=report.seconds,
+        is_vlm=zoo.is_vlm(state.hf_config),
+        language_model_paths=find_language_models(model, zoo.text_config_of(state.hf_config)),
+        source=source,
+    )
+    state.example_inputs = make_example_inputs(
+        state.hf_config, EXAMPLE_BATCH, state.cfg.prompt.image_size, state.dtype, state.device, state.cfg.seed
+    )
+    info = state.model_info
+    return StageResult(
+        metrics={"model/params": info.params, "model/bytes": info.bytes, "time/init_s": info.init_s},
+        notes=[
+            f"{info.architecture}: {_count(info.params)} parameters, {info.bytes / 2**30:.2f} GiB "
+            f"{str(state.dtype).removeprefix('torch.')} on {state.device}, weights {source}, init {info.init_s:.1f} s",
+            f"language model at: {', '.join(info.language_model_paths) or '(none found)'}",
+        ],
+    )
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)

@@ -1,0 +1,58 @@
+"""RunState: the one typed object that flows through the stages, each adding what it produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from pipeline.export.graph_capture import CapturedGraph
+from pipeline.models.inputs import ExampleInputs
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    params: int
+    bytes: int
+    init_s: float
+    is_vlm: bool
+    language_model_paths: list[str]  # where the decoder stack sits inside the model
+    source: str  # "random (seed N)" or the checkpoint folder
+
+
+@dataclass
+class CorrectnessCheck:
+    call: str  # "text" or "image"
+    max_abs_err: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_err <= self.tolerance
+
+
+@dataclass
+class StageResult:
+    """What a stage reports; the runner logs it, so stages never touch MLflow."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    artifacts: list[Path] = field(default_factory=list)  # files under the run folder
+    notes: list[str] = field(default_factory=list)  # one line each, shown and logged
+
+
+@dataclass
+class RunState:
+    cfg: DictConfig
+    run_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    hf_config: Any = None
+    model: torch.nn.Module | None = None
+    model_info: ModelInfo | None = None
+    example_inputs: ExampleInputs | None = None
+    captured: list[CapturedGraph] = field(default_factory=list)
+    checks: list[CorrectnessCheck] = field(default_factory=list)

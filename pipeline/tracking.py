@@ -1,0 +1,171 @@
+"""The only module that imports mlflow: one run per job, params, metrics, artifacts, status.
+
+Tracking never decides whether a job succeeds: when the store cannot be reached or written, the
+job goes on with its local outputs, says once and clearly what was not logged, and leaves
+`tracking_offline.txt` in the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+MAX_PARAM_KEY = 250
+MAX_PARAM_VALUE = 6000
+BATCH = 100  # params per log_batch call, MLflow's limit
+
+
+def default_uri() -> str:
+    return f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+
+
+def artifact_root(uri: str) -> str | None:
+    """Artifacts beside an embedded SQLite store (absolute); a server decides its own."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def flatten_params(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as dotted keys, within MLflow's key and value limits."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            text = str(node)
+            if len(prefix) <= MAX_PARAM_KEY:
+                flat[prefix] = text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Tracker:
+    """One MLflow run. Every call is safe: after the first failure it only writes locally."""
+
+    def __init__(self, uri: str | None, experiment: str, run_dir: Path, enabled: bool = True):
+        self.uri = uri or default_uri()
+        self.experiment = experiment
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.run_id: str | None = None
+        self.client = None
+        self.unlogged: list[str] = []
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.client is not None and self.run_id is not None
+
+    def _offline(self, what: str, exc: BaseException) -> None:
+        reason = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if self.client is not None or not self.unlogged:
+            log.warning(
+                "MLflow tracking at %s failed (%s); the run continues with local outputs only in %s",
+                self.uri,
+                reason,
+                self.run_dir,
+            )
+        self.unlogged.append(reason)
+        self.client = None
+        (self.run_dir / "tracking_offline.txt").write_text(
+            f"MLflow store: {self.uri}\nNot logged:\n" + "\n".join(self.unlogged) + "\n"
+        )
+
+    def start(self, run_name: str, tags: dict[str, str], params: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        # A tracking server that does not answer must not hold the job for minutes of retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.uri)
+            experiment = self.client.get_experiment_by_name(self.experiment)
+            if experiment is None:
+                try:
+                    experiment_id = self.client.create_experiment(
+                        self.experiment, artifact_location=artifact_root(self.uri)
+                    )
+                except Exception:  # created meanwhile by a parallel job
+                    experiment_id = self.client.get_experiment_by_name(self.experiment).experiment_id
+            else:
+                experiment_id = experiment.experiment_id
+            run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
+            items = [Param(k, v) for k, v in params.items()]
+            for i in range(0, len(items), BATCH):
+                self.client.log_batch(self.run_id, params=items[i : i + BATCH])
+            log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
+        except Exception as exc:
+            self._offline("starting the run", exc)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        if not self.active or not metrics:
+            return
+        try:
+            import time
+
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+            for i in range(0, len(items), 1000):
+                self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+        except Exception as exc:
+            self._offline(f"metrics {sorted(metrics)}", exc)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if not self.active:
+            return
+        try:
+            for key, value in tags.items():
+                self.client.set_tag(self.run_id, key, str(value)[:5000])
+        except Exception as exc:
+            self._offline(f"tags {sorted(tags)}", exc)
+
+    def log_artifact(self, path: Path) -> None:
+        """A file or folder under the run folder, at the same relative place in the run's artifacts."""
+        if not self.active or not path.exists():
+            return
+        try:
+            relative = path.resolve().relative_to(self.run_dir.resolve())
+            parent = str(relative.parent) if str(relative.parent) != "." else None
+            if path.is_dir():
+                self.client.log_artifacts(self.run_id, str(path), artifact_path=str(relative))
+            else:
+                self.client.log_artifact(self.run_id, str(path), artifact_path=parent)
+        except Exception as exc:
+            self._offline(f"artifact {path}", exc)
+
+    def end(self, status: str) -> None:
+        """status: FINISHED, FAILED or KILLED."""
+        if not self.active:
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self._offline(f"final status {status}", exc)
