@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test sweep ui lint clean
+.PHONY: setup run test bench sweep ui lint clean
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,13 @@ test: setup
 sweep: setup
 	$(PY) -m pipeline -m model=tiny_mistral3 capture=none,full,partial $(ARGS)
 
+bench: setup
+	$(PY) -m pipeline.bench $(ARGS)
+
+# The embedded store of every run (tracking.uri unset), on 127.0.0.1 only.
+PORT ?= 5000
 ui: setup
-	$(PY) -m pipeline.tools.ui $(ARGS)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)
 
 lint: setup
 	$(VENV)/bin/ruff check pipeline tests

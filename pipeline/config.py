@@ -8,6 +8,7 @@ Every failure here is a `ConfigError`: one line naming the key and the fix, exit
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,29 @@ def _positive(key: str, value: int) -> None:
         raise ConfigError(f"{key}={value} must be positive")
 
 
+def runs_on_cuda(cfg: Any, cuda_available: bool) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
+
+
+def resolve_backend(cfg: Any, on_cuda: bool) -> str:
+    """`auto`: capture=none is always the plain eager baseline; else torch-opt on CUDA, torch-compile on CPU."""
+    if cfg.backend.name != "auto":
+        return cfg.backend.name
+    if cfg.capture.mode == "none":
+        return "torch-simple"
+    return "torch-opt" if on_cuda else "torch-compile"
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_attention(cfg: Any, on_cuda: bool) -> str:
+    if cfg.attention.name != "auto":
+        return cfg.attention.name
+    return "flashinfer" if on_cuda and flashinfer_installed() else "torch"
+
+
 def validate(cfg: Any, cuda_available: bool) -> None:
     """Checks that need no model: limits, combinations and what this machine can run."""
     _one_of("device", cfg.device, DEVICES)
@@ -135,7 +159,7 @@ def validate(cfg: Any, cuda_available: bool) -> None:
 
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA device is available here; use device=auto or device=cpu")
-    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
+    on_cuda = runs_on_cuda(cfg, cuda_available)
     if cfg.backend.name in CUDA_ONLY_BACKENDS and not on_cuda:
         raise ConfigError(
             f"backend={cfg.backend.name} needs a CUDA device, and this run is on CPU; use backend=auto"
@@ -147,6 +171,10 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     if cfg.attention.name in CUDA_ONLY_ATTENTION and not on_cuda:
         raise ConfigError(
             f"attention={cfg.attention.name} needs a CUDA device, and this run is on CPU; use attention=auto"
+        )
+    if cfg.attention.name == "flashinfer" and not flashinfer_installed():
+        raise ConfigError(
+            "attention=flashinfer but the flashinfer package is not installed; install it or use attention=auto"
         )
 
     rt, prompt = cfg.runtime, cfg.prompt

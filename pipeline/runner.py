@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from pipeline.config import resolve_attention, resolve_backend
 from pipeline.errors import RunFailed, short_cause
 from pipeline.stages import export, load
 from pipeline.state import RunState, StageResult
@@ -54,6 +55,8 @@ class Runner:
             run_dir=run_dir,
             device=device,
             dtype=resolve_dtype(cfg.dtype, device),
+            backend=resolve_backend(cfg, device.type == "cuda"),
+            attention=resolve_attention(cfg, device.type == "cuda"),
             hf_config=hf_config,
         )
         self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, cfg.tracking.enabled)
@@ -65,6 +68,8 @@ class Runner:
             "capture": cfg.capture.mode,
             "backend": cfg.backend.name,
             "attention": cfg.attention.name,
+            "backend_resolved": state.backend,
+            "attention_resolved": state.attention,
             "device": str(state.device),
             "dtype": str(state.dtype).removeprefix("torch."),
             "git_commit": git_commit(),

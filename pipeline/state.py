@@ -50,6 +50,8 @@ class RunState:
     run_dir: Path
     device: torch.device
     dtype: torch.dtype
+    backend: str  # resolved from backend=auto: torch-simple | torch-compile | torch-cudagraph | torch-opt
+    attention: str  # resolved from attention=auto: torch | flashinfer | triton
     hf_config: Any = None
     model: torch.nn.Module | None = None
     model_info: ModelInfo | None = None

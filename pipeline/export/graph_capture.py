@@ -75,7 +75,7 @@ class CapturedGraph:
 
     @property
     def name(self) -> str:
-        return self.path or "model"
+        return self.path or "root"
 
     def node_counts(self) -> dict[str, int]:
         """Nodes by op kind, and call_function nodes by target: what the graph is made of."""

@@ -1,10 +1,10 @@
 """Build a Hugging Face model fast: parameters on the meta device, then filled directly.
 
 Hugging Face's own random init runs every module's initializer on real memory (about 50 s for the
-2.2 B-parameter default here). Building with parameters on meta skips that; buffers stay real so
-the rotary `inv_freq` tables are computed as usual. Then every parameter is allocated once at the
-target dtype and device and filled from one seeded generator, in `named_parameters()` order, so the
-same seed gives the same weights.
+default mistral3 configuration here). Building with parameters on meta skips that; buffers stay
+real so the rotary `inv_freq` tables are computed as usual. Then every parameter is allocated once
+at the target dtype and device and filled in parallel chunks, each from a generator seeded by
+(seed, parameter index, chunk index): the same seed gives the same weights on any thread count.
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ def parameters_on_meta() -> Iterator[None]:
 _CHUNK = 1 << 22  # elements per independently seeded chunk: fixed, so weights never depend on threads
 
 
+def chunk_seed(*parts: int) -> int:
+    """A 32-bit seed from several integers. The CPU generator (mt19937) keeps only the low 32 bits
+    of its seed, so (seed, parameter, chunk) must be mixed, not shifted apart (splitmix64)."""
+    x = 0
+    for part in parts:
+        x = (x + part + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0xFFFFFFFF
+
+
 def _fill_uniform(flat: torch.Tensor, bound: float, seed: int, pool: ThreadPoolExecutor) -> None:
     """U(-bound, bound) in parallel chunks, each from its own generator seeded by (seed, chunk).
 
@@ -47,7 +59,7 @@ def _fill_uniform(flat: torch.Tensor, bound: float, seed: int, pool: ThreadPoolE
     """
 
     def fill_chunk(index: int) -> None:
-        generator = torch.Generator(device=flat.device).manual_seed(seed + index)
+        generator = torch.Generator(device=flat.device).manual_seed(chunk_seed(seed, index))
         flat[index * _CHUNK : (index + 1) * _CHUNK].uniform_(-bound, bound, generator=generator)
 
     list(pool.map(fill_chunk, range((flat.numel() + _CHUNK - 1) // _CHUNK)))
@@ -98,8 +110,7 @@ def materialize_random(
             if id(param) not in materialized:
                 # zero_ first: its parallel first touch of the pages is 3x faster than the fill's.
                 real = torch.empty(param.shape, dtype=dtype, device=device).zero_()
-                # Chunk seeds of different parameters never overlap (2**32 chunks each).
-                _fill(_kind(module, name), real, std, (seed << 48) + (len(materialized) << 32), pool)
+                _fill(_kind(module, name), real, std, chunk_seed(seed, len(materialized)), pool)
                 materialized[id(param)] = nn.Parameter(real, requires_grad=False)
                 bar.update(param.numel())
             module._parameters[name] = materialized[id(param)]
@@ -115,8 +126,14 @@ def materialize_random(
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
+    # Only worth a bar when the fill takes seconds (100 M parameters: about half a second here).
     return tqdm(
-        total=total, unit="param", unit_scale=True, desc="init weights", disable=not enabled, leave=False
+        total=total,
+        unit="param",
+        unit_scale=True,
+        desc="init weights",
+        disable=not enabled or total < 100_000_000,
+        leave=False,
     )
 
 

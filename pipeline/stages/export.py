@@ -69,13 +69,11 @@ def run(state: RunState) -> StageResult:
             captured = graph_capture.export_module(module, path, recorded[path], batch, seq)
         except graph_capture.ExportFailed as failed:
             exc = failed.__cause__
-            (state.run_dir / "logs" / f"export_{path or 'model'}_partial_graph.txt").write_text(
-                failed.console
-            )
-            where = graph_capture.module_of_failure(exc, model) or (path or "model")
+            (state.run_dir / "logs" / f"export_{path or 'root'}_partial_graph.txt").write_text(failed.console)
+            where = graph_capture.module_of_failure(exc, model) or (path or "root")
             hint = "; try capture=partial" if not path and state.model_info.is_vlm else ""
             raise StageFailure(
-                f"torch.export of '{path or 'model'}' failed in {where}: {short_cause(exc)}{hint}"
+                f"torch.export of '{path or 'root'}' failed in {where}: {short_cause(exc)}{hint}"
             ) from exc
         model = graph_capture.install(model, captured)
         state.captured.append(captured)

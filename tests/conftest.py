@@ -1,0 +1,73 @@
+"""Shared helpers: Hydra compose API, tiny models, subprocess runs against a temporary MLflow store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from pipeline import REPO_ROOT
+from pipeline.config import register_schemas
+from pipeline.models import build, zoo
+from pipeline.models.inputs import make_example_inputs
+
+CONF_DIR = str(REPO_ROOT / "conf")
+TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
+TINY_VLMS = ["tiny_mistral3", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
+TINY_TEXT = ["tiny_magistral", "tiny_llama3_1_8b"]
+SEED_MODELS = ["mistral3", "magistral", "llama3_1_8b", "qwen2_5_vl", "llama4_scout"]
+
+register_schemas()
+
+
+def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides or [])
+
+
+def build_tiny(name: str, seed: int = 0):
+    """(model, hf_config, example inputs) for a tiny model, float32 on CPU."""
+    cfg = compose_cfg([f"model={name}", f"seed={seed}"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed)
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed)
+    return model, hf_config, examples
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def run_pipeline(args: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m pipeline ARGS` with its Hydra folders under tmp_path."""
+    multirun = "-m" in args
+    folder = (
+        ["hydra.sweep.dir=" + str(tmp_path / "multirun")]
+        if multirun
+        else ["hydra.run.dir=" + str(tmp_path / "run")]
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, *folder],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+
+
+def mlflow_runs(uri: str, experiment: str = "pipeline"):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, ([] if exp is None else client.search_runs([exp.experiment_id]))

@@ -1,0 +1,40 @@
+"""The bench code runs on a tiny configuration and writes well-formed results (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_runs_on_a_tiny_model(tmp_path):
+    output = tmp_path / "BENCH.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.bench",
+            "--model",
+            "tiny_mistral3",
+            "--repeats",
+            "1",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(output.with_suffix(".json").read_text())
+    assert results["model"] == "tiny_mistral3"
+    assert results["load"]["params"] > 0 and results["load"]["ours_s"] > 0 and "hf_init_s" in results["load"]
+    assert results["export"]["submodule"] == "model.language_model"
+    text = output.read_text()
+    assert "| load, random init" in text and "| export of `model.language_model`" in text

@@ -1,0 +1,155 @@
+"""Every config group option composes and validates; each bad input is one line, exit 2, no run."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO_ROOT, compose_cfg, mlflow_runs, run_pipeline
+from hydra.errors import ConfigCompositionException
+
+from pipeline.config import (
+    CUDA_ONLY_ATTENTION,
+    CUDA_ONLY_BACKENDS,
+    resolve_attention,
+    resolve_backend,
+    validate,
+)
+from pipeline.errors import ConfigError
+from pipeline.models import zoo
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (REPO_ROOT / "conf" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "runtime", "backend", "attention", "capture"])
+def test_every_option_composes_and_validates(group):
+    for option in _options(group):
+        cfg = compose_cfg([f"{group}={option}"])
+        needs_cuda = option in CUDA_ONLY_BACKENDS + CUDA_ONLY_ATTENTION
+        if option == "flashinfer":
+            continue  # validated only where the package is installed (test below)
+        validate(cfg, cuda_available=needs_cuda)
+        if group == "model":
+            hf_config = zoo.build_hf_config(cfg.model)
+            assert type(zoo.resolve_model_class(cfg.model, hf_config)).__name__ == "type"
+
+
+def test_groups_have_the_seed_options():
+    assert set(_options("model")) >= {"mistral3", "magistral", "llama3_1_8b", "qwen2_5_vl", "llama4_scout"}
+    assert set(_options("backend")) == {
+        "auto",
+        "torch-simple",
+        "torch-compile",
+        "torch-cudagraph",
+        "torch-opt",
+    }
+    assert set(_options("attention")) == {"auto", "torch", "flashinfer", "triton"}
+    assert set(_options("capture")) == {"none", "full", "partial"}
+    cfg = compose_cfg()
+    assert (cfg.model.name, cfg.capture.mode, cfg.backend.name, cfg.attention.name) == (
+        "mistral3",
+        "partial",
+        "auto",
+        "auto",
+    )
+    assert cfg.runtime.attn_page_size == 64 and cfg.runtime.max_seq_len == 8192
+
+
+def test_seed_override_is_deep_merged():
+    cfg = compose_cfg(["model=mistral3"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    assert hf_config.text_config.num_hidden_layers == 2
+    assert hf_config.vision_config.num_hidden_layers == 24
+    assert hf_config.text_config.hidden_size == 5120
+    cfg = compose_cfg(["model=magistral", "model.model_kwargs.num_hidden_layers=3"])
+    assert zoo.build_hf_config(cfg.model).num_hidden_layers == 3
+
+
+@pytest.mark.parametrize(
+    ("mode", "cuda", "expected"),
+    [("none", False, "torch-simple"), ("partial", False, "torch-compile"), ("full", True, "torch-opt")],
+)
+def test_auto_backend(mode, cuda, expected):
+    cfg = compose_cfg([f"capture={mode}"])
+    assert resolve_backend(cfg, on_cuda=cuda) == expected
+    assert resolve_attention(cfg, on_cuda=False) == "torch"
+
+
+BAD_OVERRIDES = {
+    "cuda backend on cpu": (["backend=torch-cudagraph"], "backend=torch-cudagraph needs a CUDA device"),
+    "cuda opt on cpu": (["backend=torch-opt"], "use backend=auto"),
+    "cuda attention on cpu": (["attention=triton"], "use attention=auto"),
+    "device cuda on cpu": (["device=cuda"], "device=cuda"),
+    "prompt too long": (["prompt.prompt_len=5000"], "runtime.max_input_len"),
+    "seq too long": (["prompt.prompt_len=4096", "prompt.output_len=4097"], "runtime.max_seq_len"),
+    "token budget": (["prompt.batch_size=8", "prompt.prompt_len=2048"], "runtime.max_num_tokens>=16384"),
+    "page multiple": (["runtime.attn_page_size=48"], "not a multiple of runtime.attn_page_size"),
+    "world size": (["runtime.world_size=2"], "runtime.world_size=2"),
+    "unknown dtype": (["dtype=float64"], "dtype=float64"),
+    "negative batch": (["prompt.batch_size=-1"], "prompt.batch_size=-1"),
+    "cudagraph without capture": (["capture=none", "backend=torch-cudagraph", "device=auto"], "backend="),
+    "misspelt hf key": (["model.model_kwargs.text_config.num_hiden_layers=3"], "num_hiden_layers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
+def test_bad_input_is_a_config_error(case):
+    overrides, expected = BAD_OVERRIDES[case]
+    with pytest.raises((ConfigError, ConfigCompositionException)) as info:
+        cfg = compose_cfg(overrides)
+        validate(cfg, cuda_available=False)
+        zoo.build_hf_config(cfg.model)
+    assert expected in str(info.value)
+
+
+def test_misspelt_key_in_a_model_file_is_refused():
+    cfg = compose_cfg(["model=tiny_magistral", "+model.hf_config.hiden_size=3"])
+    with pytest.raises(ConfigError, match="model.hf_config.hiden_size is not a field of MistralConfig"):
+        zoo.build_hf_config(cfg.model)
+
+
+def test_flashinfer_needs_the_package():
+    cfg = compose_cfg(["attention=flashinfer"])
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="flashinfer"):
+            validate(cfg, cuda_available=True)
+
+
+CLI_CASES = {
+    "unknown model": (["model=gpt5"], "Could not find 'model/gpt5'", "mistral3"),
+    "wrong type": (["prompt.batch_size=abc"], "prompt.batch_size", "Integer"),
+    "unknown key": (["foo=1"], "foo", "not in"),
+    "unknown backend option": (["backend=tensorrt"], "backend/tensorrt", "torch-compile"),
+    "cuda backend": (["backend=torch-cudagraph"], "backend=torch-cudagraph", "backend=auto"),
+    "token budget": (["prompt.batch_size=8", "prompt.prompt_len=2048"], "16384", "runtime.max_num_tokens"),
+    "page multiple": (["runtime.max_seq_len=8100"], "runtime.max_seq_len=8100", "attn_page_size"),
+    "world size": (["runtime.world_size=4"], "runtime.world_size=4", "runtime.world_size=0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_config_mistake_exits_2_with_one_line_and_no_run(case, tmp_path, tracking_uri):
+    overrides, *expected = CLI_CASES[case]
+    proc = run_pipeline(
+        ["model=tiny_mistral3", f"tracking.uri={tracking_uri}", *overrides], tmp_path, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [
+        line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[transformers]")
+    ]
+    assert len(lines) == 1 and lines[0].startswith("config error: "), proc.stderr
+    for text in expected:
+        assert text in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    _, runs = mlflow_runs(tracking_uri)
+    assert runs == []
+
+
+def test_dry_run_prints_config_and_builds_nothing(tmp_path, tracking_uri):
+    proc = run_pipeline(["dry_run=true", f"tracking.uri={tracking_uri}"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "name: mistral3" in proc.stdout and "num_hidden_layers: 2" in proc.stdout
+    _, runs = mlflow_runs(tracking_uri)
+    assert runs == []

@@ -1,0 +1,91 @@
+"""`python -m pipeline` as a user runs it, against a temporary MLflow store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import mlflow_runs, run_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
+    proc = run_pipeline(["model=tiny_mistral3", "capture=partial", f"tracking.uri={tracking_uri}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, runs = mlflow_runs(tracking_uri)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.name"] == "tiny_mistral3"
+    assert run.data.params["model.hf_config.text_config.hidden_size"] == "64"
+    assert run.data.tags["capture"] == "partial" and run.data.tags["backend_resolved"] == "torch-compile"
+    metrics = run.data.metrics
+    for key in (
+        "time/load_s",
+        "time/export_s",
+        "model/params",
+        "correctness/max_abs_err",
+        "graph/model.language_model/nodes",
+    ):
+        assert key in metrics, key
+    assert metrics["correctness/max_abs_err"] <= 1e-4
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "export/model.language_model")}
+    assert {
+        "export/model.language_model/graph.py",
+        "export/model.language_model/nodes.json",
+        "export/model.language_model/dynamic_shapes.json",
+    } <= artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {".hydra", "pipeline.log", "export"}
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "export" / "summary.json").read_text())
+    assert summary["graphs"][0]["path"] == "model.language_model"
+    assert all(check["passed"] for check in summary["checks"])
+    assert "[export] done" in (run_dir / "pipeline.log").read_text()
+
+
+def test_full_capture_of_mistral3_fails_at_export_with_its_cause(tmp_path, tracking_uri):
+    proc = run_pipeline(["model=tiny_mistral3", "capture=full", f"tracking.uri={tracking_uri}"], tmp_path)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("run failed: stage 'export' failed") and "capture=partial" in last
+    client, runs = mlflow_runs(tracking_uri)
+    run = runs[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["failed_stage"] == "export"
+    assert "GuardOnDataDependentSymNode" in run.data.tags["error"]
+    assert "model.vision_tower" in run.data.tags["error"]
+    assert "time/load_s" in run.data.metrics  # what ran before the failure is kept
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "logs/export_traceback.txt" in logs
+    assert (tmp_path / "run" / "logs" / "export_traceback.txt").exists()
+
+
+def test_multirun_runs_every_job_even_when_one_fails(tmp_path, tracking_uri):
+    proc = run_pipeline(
+        ["-m", "model=tiny_mistral3", "capture=none,full,partial", f"tracking.uri={tracking_uri}"], tmp_path
+    )
+    assert proc.returncode == 1  # one job failed
+    _, runs = mlflow_runs(tracking_uri)
+    status = {r.data.tags["capture"]: r.info.status for r in runs}
+    assert status == {"none": "FINISHED", "full": "FAILED", "partial": "FINISHED"}
+
+
+def test_unreachable_tracking_store_still_completes_locally(tmp_path):
+    proc = run_pipeline(["model=tiny_magistral", "tracking.uri=http://127.0.0.1:9"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MLflow tracking at http://127.0.0.1:9 failed" in proc.stdout + proc.stderr
+    run_dir = tmp_path / "run"
+    assert "Not logged" in (run_dir / "tracking_offline.txt").read_text()
+    assert (run_dir / "export" / "summary.json").exists()
+
+
+def test_text_model_partial_falls_back_to_whole_model(tmp_path, tracking_uri):
+    proc = run_pipeline(["model=tiny_llama3_1_8b", f"tracking.uri={tracking_uri}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "is a text model: capture=partial captures the whole model"
+        in (tmp_path / "run" / "pipeline.log").read_text()
+    )
+    _, runs = mlflow_runs(tracking_uri)
+    assert "graph/root/nodes" in runs[0].data.metrics

@@ -1,0 +1,123 @@
+"""Partial capture matches eager for every tiny VLM (text-only and image calls, other batch and
+sequence sizes); full capture matches for text models and fails, with its cause, for Mistral3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_TEXT, TINY_VLMS, build_tiny
+
+from pipeline.export import graph_capture
+from pipeline.models import zoo
+
+
+def _logits(model, call):
+    with torch.no_grad():
+        return model(**call).logits
+
+
+def _capture(model, hf_config, call, paths):
+    recorded, _ = (
+        graph_capture.record_calls(model, paths, call)
+        if paths != [""]
+        else ({"": graph_capture.RecordedCall(dict(call))}, None)
+    )
+    batch, seq = call["input_ids"].shape
+    captured = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        graph = graph_capture.export_module(module, path, recorded[path], batch, seq)
+        model = graph_capture.install(model, graph)
+        captured.append(graph)
+    return model, captured
+
+
+def _other_shapes(call: dict, vocab: int) -> dict:
+    """Batch 1 and a longer sequence (40 tokens, past tiny Llama-4's attention chunk of 32)."""
+    ids = torch.randint(20, vocab - 20, (1, 40))
+    return {"input_ids": ids, "use_cache": False}
+
+
+@pytest.mark.parametrize("name", TINY_VLMS)
+def test_partial_capture_matches_eager(name):
+    model, hf_config, examples = build_tiny(name)
+    longer = _other_shapes(examples.text, zoo.text_config_of(hf_config).vocab_size)
+    calls = {"text": examples.text, "image": examples.image, "longer": longer}
+    reference = {k: _logits(model, c) for k, c in calls.items()}
+    eager_vision = [n for n, _ in model.named_modules() if "vision" in n or "visual" in n]
+
+    paths = graph_capture.find_language_models(model, zoo.text_config_of(hf_config))
+    assert len(paths) == 1
+    model, captured = _capture(model, hf_config, examples.image, paths)
+
+    graph = model.get_submodule(paths[0])
+    assert isinstance(graph, torch.fx.GraphModule)
+    assert captured[0].tensor_inputs == ["inputs_embeds"]  # kwargs-only, tensors as inputs
+    assert captured[0].constants.get("use_cache") is False  # non-tensors baked in
+    assert captured[0].dynamic_dims["inputs_embeds"] == {0: "batch", 1: "seq"}
+    assert not captured[0].notes  # nothing specialized
+    # The vision tower stays eager, module by module.
+    assert [n for n, _ in model.named_modules() if "vision" in n or "visual" in n] == eager_vision
+    for key, call in calls.items():
+        torch.testing.assert_close(_logits(model, call), reference[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", TINY_TEXT)
+def test_full_capture_of_text_models_matches_eager(name):
+    model, hf_config, examples = build_tiny(name)
+    longer = _other_shapes(examples.text, hf_config.vocab_size)
+    reference = {k: _logits(model, c) for k, c in {"text": examples.text, "longer": longer}.items()}
+    captured_model, captured = _capture(model, hf_config, examples.text, [""])
+    assert isinstance(captured_model, torch.fx.GraphModule)
+    assert captured[0].tensor_inputs == ["input_ids"]
+    torch.testing.assert_close(_logits(captured_model, examples.text), reference["text"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(_logits(captured_model, longer), reference["longer"], rtol=0, atol=1e-5)
+
+
+def test_full_capture_of_mistral3_fails_in_the_vision_tower():
+    model, hf_config, examples = build_tiny("tiny_mistral3")
+    with pytest.raises(graph_capture.ExportFailed) as info:
+        _capture(model, hf_config, examples.image, [""])
+    cause = info.value.__cause__
+    assert "GuardOnDataDependentSymNode" in type(cause).__name__
+    assert graph_capture.module_of_failure(cause, model).startswith("model.vision_tower")
+    assert "def forward" in info.value.console  # torch's partial graph, kept for the logs
+
+
+def test_positional_call_and_constant_mismatch():
+    model, hf_config, examples = build_tiny("tiny_mistral3")
+    path = graph_capture.find_language_models(model, hf_config.text_config)[0]
+    embeds = model.get_input_embeddings()(examples.text["input_ids"])
+    with torch.no_grad():
+        expected = model.get_submodule(path)(inputs_embeds=embeds, use_cache=False).last_hidden_state
+    model, _ = _capture(model, hf_config, examples.image, [path])
+    graph = model.get_submodule(path)
+    with torch.no_grad():
+        # Positional (None for input_ids), extra None kwargs and the constant's own value are all fine.
+        out = graph(None, attention_mask=None, inputs_embeds=embeds, use_cache=False, position_ids=None)
+        torch.testing.assert_close(out.last_hidden_state, expected, rtol=0, atol=1e-5)
+        with pytest.raises(graph_capture.ExportError, match="use_cache=False"):
+            graph(inputs_embeds=embeds, use_cache=True)
+        with pytest.raises(graph_capture.ExportError, match="without 'position_ids'"):
+            graph(inputs_embeds=embeds, position_ids=torch.arange(embeds.shape[1])[None])
+
+
+def test_graph_keeps_the_parents_interface_without_copying_weights():
+    model, hf_config, examples = build_tiny("tiny_llama4_scout")
+    embedding = model.get_input_embeddings()
+    before = {id(p) for p in model.parameters()}
+    paths = graph_capture.find_language_models(model, hf_config.text_config)
+    assert paths == ["language_model.model"]  # the decoder stack, not the CausalLM around it
+    model, _ = _capture(model, hf_config, examples.image, paths)
+    assert model.get_input_embeddings() is embedding
+    assert model.language_model.model.embed_tokens is embedding  # Llama-4 reads the attribute
+    assert {id(p) for p in model.parameters()} == before
+
+
+def test_eager_parts_lists_what_stays_eager():
+    model, hf_config, examples = build_tiny("tiny_mistral3")
+    assert graph_capture.eager_parts(model, ["model.language_model"]) == [
+        "model.vision_tower",
+        "model.multi_modal_projector",
+        "lm_head",
+    ]
