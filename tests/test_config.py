@@ -153,3 +153,16 @@ def test_dry_run_prints_config_and_builds_nothing(tmp_path, tracking_uri):
     assert "name: mistral3" in proc.stdout and "num_hidden_layers: 2" in proc.stdout
     _, runs = mlflow_runs(tracking_uri)
     assert runs == []
+
+
+def test_seed_prompt_queries_compose():
+    """The seed's mixed query list: plain strings, {prompt: ...} and chat-message lists with images."""
+    queries = (
+        '[How big is the universe?,{prompt:"Explain gravity: "},'
+        "[{role:user,content:[{type:text,text:Describe},{type:image,url:/tmp/x.png}]}]]"
+    )
+    cfg = compose_cfg([f"prompt.queries={queries}"])
+    validate(cfg, cuda_available=False)
+    assert cfg.prompt.queries[0] == "How big is the universe?"
+    assert cfg.prompt.queries[1].prompt == "Explain gravity: "
+    assert cfg.prompt.queries[2][0].content[1].type == "image"

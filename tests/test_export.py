@@ -121,3 +121,20 @@ def test_eager_parts_lists_what_stays_eager():
         "model.multi_modal_projector",
         "lm_head",
     ]
+
+
+def test_several_submodules_and_positional_callers():
+    """capture.submodules may name more than one; lm_head is called positionally by its parent."""
+    model, hf_config, examples = build_tiny("tiny_mistral3")
+    reference = {k: _logits(model, c) for k, c in {"text": examples.text, "image": examples.image}.items()}
+    model, captured = _capture(model, hf_config, examples.image, ["model.language_model", "lm_head"])
+    assert [c.name for c in captured] == ["model.language_model", "lm_head"]
+    assert captured[1].tensor_inputs == ["input"]  # nn.Linear.forward(input), bound by name
+    for key, call in {"text": examples.text, "image": examples.image}.items():
+        torch.testing.assert_close(_logits(model, call), reference[key], rtol=0, atol=1e-5)
+
+
+def test_unknown_submodule_is_named():
+    model, hf_config, examples = build_tiny("tiny_mistral3")
+    with pytest.raises(graph_capture.ExportError, match="'model.language' is not a submodule"):
+        graph_capture.record_calls(model, ["model.language"], examples.text)

@@ -120,8 +120,14 @@ def record_calls(
     """Run the whole model once; returns the first call each submodule received, and the output."""
     recorded: dict[str, RecordedCall] = {}
     handles = []
+    known = dict(model.named_modules())
     for path in paths:
-        module = model.get_submodule(path)
+        if path not in known:
+            raise ExportError(
+                f"capture.submodules: '{path}' is not a submodule of {type(model).__name__}; "
+                f"top-level modules are {[name for name, _ in model.named_children()]}"
+            )
+        module = known[path]
 
         def hook(mod, args, kwargs, path=path):
             recorded.setdefault(path, RecordedCall(_bind(mod, args, kwargs)))
