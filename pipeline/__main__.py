@@ -47,6 +47,9 @@ def _job(cfg: DictConfig) -> None:
     from pipeline.models import zoo
 
     validate(cfg, _cuda_available())
+    from pipeline.transforms import registry
+
+    registry.parse(cfg.transforms)
     hf_config = zoo.build_hf_config(cfg.model)
     zoo.resolve_model_class(cfg.model, hf_config)
     if cfg.dry_run:

@@ -29,6 +29,7 @@ class ModelConfig:
     skip_loading_weights: bool = True  # random, seeded weights
     checkpoint: str | None = None  # local HF folder with config.json + *.safetensors
     trust_remote_code: bool = False
+    attn_implementation: str | None = None  # HF attention path: sdpa (HF's default) | eager
 
 
 @dataclass
@@ -91,6 +92,7 @@ class PipelineConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    transforms: dict[str, Any] = field(default_factory=dict)  # name -> options; see pipeline.transforms
     prompt: PromptConfig = field(default_factory=PromptConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -154,6 +156,8 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     _one_of("backend.name", cfg.backend.name, BACKENDS)
     _one_of("attention.name", cfg.attention.name, ATTENTION_BACKENDS)
     _one_of("capture.mode", cfg.capture.mode, CAPTURE_MODES)
+    if cfg.model.attn_implementation is not None:
+        _one_of("model.attn_implementation", cfg.model.attn_implementation, ("sdpa", "eager"))
     if cfg.runtime.name != "demollm":
         raise ConfigError(f"runtime.name={cfg.runtime.name} is not known; use runtime=demollm")
 

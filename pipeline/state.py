@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from pipeline.export.graph_capture import CapturedGraph
 from pipeline.models.inputs import ExampleInputs
+from pipeline.transforms.registry import TransformHistory
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ModelInfo:
 
 @dataclass
 class CorrectnessCheck:
+    stage: str  # the stage whose result was checked: export, transforms
     call: str  # "text" or "image"
     max_abs_err: float
     tolerance: float
@@ -56,5 +58,8 @@ class RunState:
     model: torch.nn.Module | None = None
     model_info: ModelInfo | None = None
     example_inputs: ExampleInputs | None = None
+    check_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> kwargs of a model call
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)  # eager logits of each check call
     captured: list[CapturedGraph] = field(default_factory=list)
     checks: list[CorrectnessCheck] = field(default_factory=list)
+    transform_history: TransformHistory | None = None

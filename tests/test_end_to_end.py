@@ -30,6 +30,15 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     ):
         assert key in metrics, key
     assert metrics["correctness/max_abs_err"] <= 1e-4
+    assert metrics["correctness/transforms/image_max_abs_err"] <= 1e-4
+    assert metrics["transform/match_attention/matches"] == 2 and metrics["transform/fuse_gemms/matches"] == 4
+    assert "time/transform_s" in metrics
+    transform_files = {a.path for a in client.list_artifacts(run.info.run_id, "transforms")}
+    assert {
+        "transforms/report.json",
+        "transforms/report.txt",
+        "transforms/model.language_model",
+    } <= transform_files
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "export/model.language_model")}
     assert {
         "export/model.language_model/graph.py",

@@ -17,19 +17,7 @@ def _logits(model, call):
 
 
 def _capture(model, hf_config, call, paths):
-    recorded, _ = (
-        graph_capture.record_calls(model, paths, call)
-        if paths != [""]
-        else ({"": graph_capture.RecordedCall(dict(call))}, None)
-    )
-    batch, seq = call["input_ids"].shape
-    captured = []
-    for path in paths:
-        module = model.get_submodule(path) if path else model
-        graph = graph_capture.export_module(module, path, recorded[path], batch, seq)
-        model = graph_capture.install(model, graph)
-        captured.append(graph)
-    return model, captured
+    return graph_capture.capture(model, paths, call)
 
 
 def _other_shapes(call: dict, vocab: int) -> dict:

@@ -34,9 +34,10 @@ class ExportError(Exception):
 class ExportFailed(Exception):
     """torch.export raised (the cause is chained); `console` is what it printed meanwhile."""
 
-    def __init__(self, console: str):
-        super().__init__("torch.export failed")
+    def __init__(self, console: str, path: str = ""):
+        super().__init__(f"torch.export of '{path or 'root'}' failed")
         self.console = console
+        self.path = path
 
 
 @dataclass
@@ -198,7 +199,7 @@ def export_module(
         with torch.no_grad(), constants_bound(module, constants), contextlib.redirect_stderr(stderr):
             program = torch.export.export(module, (), tensors, dynamic_shapes=spec, strict=False)
     except Exception as exc:
-        raise ExportFailed(stderr.getvalue()) from exc
+        raise ExportFailed(stderr.getvalue(), path) from exc
     graph_module = program.module()
     export_s = time.perf_counter() - start
     captured = CapturedGraph(
@@ -290,6 +291,25 @@ def eager_parts(model: nn.Module, captured_paths: list[str]) -> list[str]:
 
     walk(model, "")
     return parts
+
+
+def capture(
+    model: nn.Module, paths: list[str], call: dict[str, Any]
+) -> tuple[nn.Module, list[CapturedGraph]]:
+    """Export each path ("" = the whole model) from `call` and swap it in; returns the new root.
+    The batch and sequence sizes come from the call's input_ids: [B, S]."""
+    if paths == [""]:
+        recorded = {"": RecordedCall(dict(call))}
+    else:
+        recorded, _ = record_calls(model, paths, call)
+    batch, seq = call["input_ids"].shape
+    captured = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        graph = export_module(module, path, recorded[path], batch, seq)
+        model = install(model, graph)
+        captured.append(graph)
+    return model, captured
 
 
 def install(model: nn.Module, captured: CapturedGraph) -> nn.Module:

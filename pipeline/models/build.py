@@ -138,10 +138,15 @@ def _progress(total: int, enabled: bool):
 
 
 def build_random(
-    model_cls: type, hf_config, dtype: torch.dtype, device: torch.device, seed: int
+    model_cls: type,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    attn_implementation: str | None = None,
 ) -> tuple[nn.Module, InitReport]:
     with parameters_on_meta():
-        model = model_cls._from_config(hf_config)
+        model = model_cls._from_config(hf_config, attn_implementation=attn_implementation)
     # Buffers (rotary tables) were built in float32 on CPU; move them, keeping their dtype.
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -154,7 +159,13 @@ def build_random(
 
 
 def load_checkpoint(
-    model_cls: type, path: str, hf_config, dtype: torch.dtype, device: torch.device, trust_remote_code: bool
+    model_cls: type,
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool,
+    attn_implementation: str | None = None,
 ):
     """Real weights from a local folder: safetensors only (never pickle), no network."""
     start = time.perf_counter()
@@ -165,6 +176,7 @@ def load_checkpoint(
         local_files_only=True,
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
     ).to(device)
     model.eval()
     unique = {id(p): p for p in model.parameters()}.values()

@@ -25,11 +25,17 @@ def run(state: RunState) -> StageResult:
             state.dtype,
             state.device,
             model_cfg.trust_remote_code,
+            model_cfg.attn_implementation,
         )
         source = model_cfg.checkpoint
     else:
         model, report = build.build_random(
-            model_cls, state.hf_config, state.dtype, state.device, state.cfg.seed
+            model_cls,
+            state.hf_config,
+            state.dtype,
+            state.device,
+            state.cfg.seed,
+            model_cfg.attn_implementation,
         )
         source = f"random (seed {state.cfg.seed})"
     state.model = model

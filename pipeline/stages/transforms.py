@@ -1,0 +1,52 @@
+"""transforms: the configured graph rewrites, on each captured subgraph or on the whole model,
+with a history of what each matched, and a check that the model still computes the eager result."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from pipeline import correctness
+from pipeline.errors import StageFailure
+from pipeline.state import RunState, StageResult
+from pipeline.transforms import registry
+
+
+def run(state: RunState) -> StageResult:
+    transforms = registry.parse(state.cfg.transforms)
+    history = state.transform_history = registry.TransformHistory()
+    result = StageResult()
+    try:
+        registry.run_transforms(state.model, transforms, history)
+    except registry.TransformFailed as failed:
+        _report(state, history, result)
+        raise StageFailure(
+            f"{failed}; set transforms.{failed.record.transform}.skip_on_error=true to go on"
+        ) from (failed.__cause__)
+    _report(state, history, result)
+    result.notes += history.table().splitlines()
+    if not transforms:
+        result.notes.append("no transforms configured (transforms=none)")
+    if any(r.status == "applied" and r.matches for r in history.records):
+        if cause := correctness.failure(correctness.check(state, "transforms", result)):
+            raise StageFailure(cause)
+    else:
+        result.notes.append("nothing matched: the model is unchanged")
+    return result
+
+
+def _report(state: RunState, history: registry.TransformHistory, result: StageResult) -> None:
+    folder = state.run_dir / "transforms"
+    folder.mkdir(parents=True, exist_ok=True)
+    report = folder / "report.json"
+    report.write_text(json.dumps([asdict(r) for r in history.records], indent=2))
+    (folder / "report.txt").write_text(history.table() + "\n")
+    result.artifacts += [report, folder / "report.txt"]
+    for name, graph in registry.find_graphs(state.model):
+        path = folder / name / "graph.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(graph.code)
+        result.artifacts.append(path)
+    for name in {r.transform for r in history.records}:
+        result.metrics[f"transform/{name}/matches"] = history.matches(name)
+    result.metrics["time/transform_s"] = sum(r.seconds for r in history.records)

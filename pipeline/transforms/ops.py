@@ -1,0 +1,82 @@
+"""Canonical ops: what the matchers rewrite HF's many spellings into, registered with torch.library.
+
+Registered ops keep their names and input shapes in the profiler and survive export and compile.
+Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing.
+Layouts are explicit in the signatures; shapes are noted as [B, H, S, D] = batch, heads, sequence,
+head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@torch.library.custom_op("pipeline::attention", mutates_args=())
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool
+) -> Tensor:
+    """Softmax(q k^T * scale + mask) v with grouped-query heads.
+
+    q: [B, H, S, D]; k, v: [B, Hkv, S_kv, D] with H % Hkv == 0 (not repeated: a GQA-aware kernel
+    reads each KV head once); attn_mask: bool (True = attend) or additive, broadcastable to
+    [B, H, S, S_kv]; returns [B, H, S, D].
+    """
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, attn_mask, scale, is_causal):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("pipeline::rope", mutates_args=())
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, rotate-half form: x * cos + rotate_half(x) * sin.
+
+    x: [B, H, S, D]; cos, sin: broadcastable to x (HF passes [B, 1, S, D]). The llama3-scaled and
+    the multimodal (Qwen2.5-VL mrope) variants differ only in how cos/sin were computed.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@rope.register_fake
+def _rope_fake(x, cos, sin):
+    return torch.empty_like(torch.broadcast_tensors(x, cos)[0], dtype=torch.result_type(x, cos))
+
+
+@torch.library.custom_op("pipeline::rope_complex", mutates_args=())
+def rope_complex(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    """Rotary embedding on interleaved (real, imag) pairs, as Llama-4 computes it.
+
+    x: [B, S, H, D]; freqs_cis: complex [B, S, 1, D/2] (broadcast over heads); returns x's dtype.
+    """
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)
+
+
+@rope_complex.register_fake
+def _rope_complex_fake(x, freqs_cis):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pipeline::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 as HF does: weight * (x / rms(x)).to(x.dtype).
+
+    x: [..., D]; weight: [D] or None (Llama-4's QK-norm has none).
+    """
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    dtype = x.dtype if weight is None else torch.result_type(weight, x)
+    return x.new_empty(x.shape, dtype=dtype)

@@ -1,0 +1,72 @@
+"""Canonical ops: reference implementations equal HF's own functions; fake kernels pass opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama4.modeling_llama4 import apply_rotary_emb as llama4_rope
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm, apply_rotary_pos_emb, repeat_kv
+
+import pipeline.transforms.ops  # noqa: F401
+
+ops = torch.ops.pipeline
+
+
+def test_attention_is_gqa_sdpa():
+    # q: [B, H, S, D]; k, v: [B, Hkv, S, D]
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(ops.attention(q, k, v, mask, 0.3, False), expected)
+    causal = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)
+    torch.testing.assert_close(ops.attention(q, k, v, None, 0.25, True), causal)
+
+
+def test_rope_is_hf_rotate_half():
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    cos, sin = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(ops.rope(q, cos[:, None], sin[:, None]), q_ref)
+    torch.testing.assert_close(ops.rope(k, cos[:, None], sin[:, None]), k_ref)
+
+
+def test_rope_complex_is_llama4s():
+    q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)  # [B, S, H, D]
+    freqs = torch.polar(torch.ones(2, 6, 8), torch.randn(2, 6, 8))  # complex [B, S, D/2]
+    q_ref, k_ref = llama4_rope(q, k, freqs)
+    torch.testing.assert_close(ops.rope_complex(q, freqs[:, :, None]), q_ref)
+    torch.testing.assert_close(ops.rope_complex(k, freqs[:, :, None]), k_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hf_rmsnorm(dtype):
+    norm = MistralRMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 32, dtype=dtype)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
+    x32 = x.float()
+    torch.testing.assert_close(
+        ops.rms_norm(x, None, 1e-6), (x32 * torch.rsqrt(x32.pow(2).mean(-1, True) + 1e-6)).to(dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (
+            ops.attention.default,
+            (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), None, 0.3, True),
+        ),
+        (ops.rope.default, (torch.randn(2, 4, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8))),
+        (
+            ops.rope_complex.default,
+            (torch.randn(2, 5, 4, 8), torch.polar(torch.ones(2, 5, 1, 4), torch.randn(2, 5, 1, 4))),
+        ),
+        (ops.rms_norm.default, (torch.randn(3, 8), torch.randn(8), 1e-5)),
+    ],
+    ids=["attention", "rope", "rope_complex", "rms_norm"],
+)
+def test_fake_kernels_pass_opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

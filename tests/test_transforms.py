@@ -1,0 +1,209 @@
+"""Transforms on tiny models: every attention/RoPE/RMSNorm/GEMM group matched, outputs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg
+from torch import fx, nn
+
+from pipeline.errors import ConfigError
+from pipeline.export import graph_capture
+from pipeline.models import zoo
+from pipeline.transforms import registry
+
+# Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer; Llama-4's
+# second layer has no RoPE), RMSNorms (2 per layer + final; Llama-4 adds QK-norm on its RoPE layer),
+# fused GEMM groups (q/k/v and gate/up per layer; Llama-4's gate/up is the shared expert's).
+EXPECTED = {
+    "tiny_mistral3": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
+    "tiny_magistral": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
+    "tiny_llama3_1_8b": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
+    "tiny_qwen2_5_vl": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
+    "tiny_llama4_scout": dict(match_attention=2, match_rope=2, match_rmsnorm=7, fuse_gemms=4),
+}
+
+
+def _captured(name: str, attn_implementation: str | None = None):
+    """A tiny model with its language model (text models: the whole model) exported and swapped in."""
+    cfg = compose_cfg([f"model={name}"])
+    if attn_implementation:
+        cfg.model.attn_implementation = attn_implementation
+    hf_config = zoo.build_hf_config(cfg.model)
+    from pipeline.models import build
+    from pipeline.models.inputs import make_example_inputs
+
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config),
+        hf_config,
+        torch.float32,
+        torch.device("cpu"),
+        0,
+        attn_implementation,
+    )
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), 0)
+    calls = {"text": examples.text} | ({"image": examples.image} if examples.image else {})
+    with torch.no_grad():
+        reference = {k: model(**c).logits for k, c in calls.items()}
+    call = examples.image or examples.text
+    paths = (
+        graph_capture.find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
+    )
+    model, _ = graph_capture.capture(model, paths, call)
+    return model, calls, reference
+
+
+def _assert_same(model, calls, reference, atol=1e-5):
+    with torch.no_grad():
+        for key, call in calls.items():
+            torch.testing.assert_close(model(**call).logits, reference[key], rtol=0, atol=atol, msg=key)
+
+
+def _run(model, overrides=()):
+    transforms = registry.parse(compose_cfg(list(overrides)).transforms)
+    history = registry.TransformHistory()
+    registry.run_transforms(model, transforms, history)
+    return history
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_default_transforms_match_every_layer_and_keep_outputs(name):
+    model, calls, reference = _captured(name)
+    params = sum(p.numel() for p in model.parameters())
+    history = _run(model)
+    for transform, count in EXPECTED[name].items():
+        assert history.matches(transform) == count, (transform, history.table())
+    assert all(r.status == "applied" for r in history.records)
+    assert sum(p.numel() for p in model.parameters()) == params  # fusion moves weights, adds none
+    _assert_same(model, calls, reference)
+    graph = registry.find_graphs(model)[0][1]
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert {"pipeline.attention.default", "pipeline.rms_norm.default"} <= targets
+    assert "aten.scaled_dot_product_attention.default" not in targets
+    assert not any("_assert_tensor_metadata" in t for t in targets)
+
+
+@pytest.mark.parametrize("name", TINY_VLMS)
+def test_eager_attention_form_is_matched(name):
+    model, calls, reference = _captured(name, attn_implementation="eager")
+    history = _run(model)
+    assert history.matches("match_attention") == 2
+    _assert_same(model, calls, reference)
+
+
+@pytest.mark.parametrize(
+    "transform", ["cleanup", "match_attention", "match_rope", "match_rmsnorm", "fuse_gemms"]
+)
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout"])
+def test_each_transform_alone_keeps_outputs(name, transform):
+    model, calls, reference = _captured(name)
+    others = [f"transforms.{t}.enabled=false" for t in EXPECTED[name] if t != transform]
+    if transform != "cleanup":
+        others.append("transforms.cleanup.enabled=false")
+    history = _run(model, others)
+    assert [r.status for r in history.records if r.transform == transform] == ["applied"]
+    _assert_same(model, calls, reference)
+
+
+def test_eager_attention_without_mask_and_with_division():
+    class Attention(nn.Module):
+        # q, k, v: [B, H, S, D]; the textbook form, no mask, scale as a division.
+        def forward(self, q, k, v):
+            scores = torch.matmul(q, k.transpose(-2, -1)) / 4.0
+            return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+    q, k, v = (torch.randn(2, 4, 7, 16) for _ in range(3))
+    gm = torch.export.export(Attention(), (q, k, v)).module()
+    expected = Attention()(q, k, v)
+    assert registry.TRANSFORMS["match_attention"](registry.TransformConfig()).apply_graph(gm) == 1
+    torch.testing.assert_close(gm(q, k, v), expected, rtol=0, atol=1e-5)
+
+
+def test_transformed_graph_stays_exportable():
+    model, calls, _ = _captured("tiny_magistral")
+    _run(model)
+    call = {"input_ids": calls["text"]["input_ids"]}
+    program = torch.export.export(model, (), call, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(**call).logits, model(**call).logits)
+
+
+class _Breaks(registry.Transform):
+    """Rewrites half the graph, then raises: the case skip_on_error must undo."""
+
+    name = "breaks_midway"
+
+    def apply_graph(self, gm: fx.GraphModule) -> int:
+        gm.register_parameter("junk", nn.Parameter(torch.zeros(1)))
+        for node in list(gm.graph.nodes)[: len(gm.graph.nodes) // 2]:
+            if node.op == "call_function" and not node.users:
+                gm.graph.erase_node(node)
+        raise RuntimeError("pattern went wrong")
+
+
+def test_skip_on_error_leaves_the_graph_as_it_was(monkeypatch):
+    monkeypatch.setitem(registry.TRANSFORMS, "breaks_midway", _Breaks)
+    model, calls, reference = _captured("tiny_mistral3")
+    graph = registry.find_graphs(model)[0][1]
+    code = graph.code
+    history = _run(model, ["transforms=none", "+transforms.breaks_midway={skip_on_error: true}"])
+    record = history.records[0]
+    assert record.status == "skipped" and "pattern went wrong" in record.reason
+    assert graph.code == code and not hasattr(graph, "junk")
+    _assert_same(model, calls, reference)
+    with pytest.raises(registry.TransformFailed, match="pattern went wrong"):
+        _run(model, ["transforms=none", "+transforms.breaks_midway={}"])
+
+
+def test_capture_none_has_no_subgraph_to_transform():
+    model, _, _ = build_tiny("tiny_mistral3")
+    history = _run(model)
+    assert {r.status for r in history.records} == {"no target"}
+    assert "capture=none" in history.records[0].reason
+
+
+def test_model_scope_rmsnorm_swaps_eager_modules():
+    model, _, examples = build_tiny("tiny_mistral3")
+    calls = {"text": examples.text, "image": examples.image}
+    with torch.no_grad():
+        reference = {k: model(**c).logits for k, c in calls.items()}
+    history = _run(model, ["transforms=none", "+transforms.match_rmsnorm={scope: model}"])
+    # Language model: 2 per layer + final; Pixtral: ln_pre + 2 per vision layer; projector: 1.
+    assert history.matches("match_rmsnorm") == 5 + 3 + 1
+    assert not any(
+        type(m).__name__.endswith("RMSNorm") and type(m).__name__ != "CanonicalRMSNorm"
+        for m in model.modules()
+    )
+    _assert_same(model, calls, reference)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+transforms.fuse_everything={}", "transforms.fuse_everything is not a transform; known: cleanup"),
+        ("transforms.fuse_gemms.min_group=abc", "transforms.fuse_gemms"),
+        ("transforms.match_attention.scope=model", "does not fit: match_attention runs on subgraph"),
+        ("transforms.cleanup.scope=everything", "use one of: model, subgraph"),
+        ("+transforms.cleanup.colour=red", "transforms.cleanup"),
+    ],
+)
+def test_bad_transform_config_is_a_config_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        registry.parse(compose_cfg([override]).transforms)
+
+
+def test_switches_from_the_command_line():
+    assert registry.parse(compose_cfg(["transforms=none"]).transforms) == []
+    parsed = registry.parse(compose_cfg(["transforms.fuse_gemms.enabled=false"]).transforms)
+    assert [t.name for t in parsed] == [
+        "cleanup",
+        "match_attention",
+        "match_rope",
+        "match_rmsnorm",
+        "fuse_gemms",
+    ]
+    assert not parsed[-1].config.enabled
+    model, _, _ = _captured("tiny_magistral")
+    history = registry.TransformHistory()
+    registry.run_transforms(model, parsed, history)
+    assert history.records[-1].status == "disabled"
