@@ -50,6 +50,10 @@ def _job(cfg: DictConfig) -> None:
     from pipeline.transforms import registry
 
     registry.parse(cfg.transforms)
+    from pipeline.models.tokenizer import has_tokenizer
+    from pipeline.runtime.requests import check_queries
+
+    check_queries(cfg.prompt.queries, has_tokenizer(cfg.model.checkpoint))
     hf_config = zoo.build_hf_config(cfg.model)
     zoo.resolve_model_class(cfg.model, hf_config)
     if cfg.dry_run:

@@ -33,6 +33,13 @@ class ModelConfig:
 
 
 @dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+
+
+@dataclass
 class RuntimeConfig:
     name: str = "demollm"
     attn_page_size: int = 64
@@ -41,6 +48,8 @@ class RuntimeConfig:
     max_batch_size: int = 8
     max_num_tokens: int = 8192
     world_size: int = 0
+    kv_cache_mb: int | None = None  # None: pages for max_batch_size sequences of max_seq_len
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
@@ -82,7 +91,8 @@ class TrackingConfig:
 
 @dataclass
 class BenchmarkConfig:
-    enabled: bool = False
+    enabled: bool = False  # warm-up, then `iterations` timed generations (median and spread)
+    iterations: int = 5
 
 
 @dataclass
@@ -139,14 +149,10 @@ def resolve_backend(cfg: Any, on_cuda: bool) -> str:
     return "torch-opt" if on_cuda else "torch-compile"
 
 
-def flashinfer_installed() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
-
-
 def resolve_attention(cfg: Any, on_cuda: bool) -> str:
-    if cfg.attention.name != "auto":
-        return cfg.attention.name
-    return "flashinfer" if on_cuda and flashinfer_installed() else "torch"
+    from pipeline.attention import resolve
+
+    return resolve(cfg.attention.name, on_cuda)
 
 
 def validate(cfg: Any, cuda_available: bool) -> None:
@@ -176,7 +182,13 @@ def validate(cfg: Any, cuda_available: bool) -> None:
         raise ConfigError(
             f"attention={cfg.attention.name} needs a CUDA device, and this run is on CPU; use attention=auto"
         )
-    if cfg.attention.name == "flashinfer" and not flashinfer_installed():
+    from pipeline.attention import IMPLEMENTED
+
+    if cfg.attention.name != "auto" and cfg.attention.name not in IMPLEMENTED:
+        raise ConfigError(
+            f"attention={cfg.attention.name} has no cached attention kernel yet; use attention=torch or attention=auto"
+        )
+    if cfg.attention.name == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         raise ConfigError(
             "attention=flashinfer but the flashinfer package is not installed; install it or use attention=auto"
         )
@@ -189,6 +201,15 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     _positive("profile.decode_steps", cfg.profile.decode_steps)
     if prompt.image_size is not None:
         _positive("prompt.image_size", prompt.image_size)
+    if rt.kv_cache_mb is not None:
+        _positive("runtime.kv_cache_mb", rt.kv_cache_mb)
+    sampling = rt.sampling
+    if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
+        raise ConfigError(
+            f"runtime.sampling: temperature={sampling.temperature} (>= 0), top_k={sampling.top_k} (>= 0), "
+            f"top_p={sampling.top_p} (in (0, 1]): fix the one out of range"
+        )
+    _positive("benchmark.iterations", cfg.benchmark.iterations)
     if rt.world_size > 1:
         raise ConfigError(
             f"runtime.world_size={rt.world_size}: tensor parallelism is not implemented; use runtime.world_size=0"

@@ -18,17 +18,18 @@ from omegaconf import DictConfig
 
 from pipeline.config import resolve_attention, resolve_backend
 from pipeline.errors import RunFailed, short_cause
-from pipeline.stages import export, load, transforms
+from pipeline.stages import export, generate, load, transforms
 from pipeline.state import RunState, StageResult
 from pipeline.tracking import Tracker, flatten_params, git_commit
 
 log = logging.getLogger(__name__)
 
-# The order of the pipeline; later issues add capture, profile and report.
+# The order of the pipeline; later issues add capture (before generate), profile and report.
 STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
     ("load", load.run),
     ("export", export.run),
     ("transforms", transforms.run),
+    ("generate", generate.run),
 ]
 
 
@@ -112,7 +113,7 @@ class Runner:
     def _fail(self, stage: str, cause: str, status: str) -> None:
         self.tracker.set_tags({"failed_stage": stage, "error": cause})
         self.tracker.log_artifact(self.state.run_dir / "logs")
-        for folder in ("export", "transforms"):  # whatever the stages wrote before the failure
+        for folder in ("export", "transforms", "generation"):  # whatever the stages wrote before the failure
             self.tracker.log_artifact(self.state.run_dir / folder)
         self._log_job_log()
         self.tracker.end(status)

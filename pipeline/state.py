@@ -63,3 +63,5 @@ class RunState:
     captured: list[CapturedGraph] = field(default_factory=list)
     checks: list[CorrectnessCheck] = field(default_factory=list)
     transform_history: TransformHistory | None = None
+    tokenizer: Any = None  # from a local checkpoint folder, when it has one
+    generation: Any = None  # pipeline.runtime.engine.Generation of the last generate run

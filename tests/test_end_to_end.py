@@ -33,6 +33,12 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     assert metrics["correctness/transforms/image_max_abs_err"] <= 1e-4
     assert metrics["transform/match_attention/matches"] == 2 and metrics["transform/fuse_gemms/matches"] == 4
     assert "time/transform_s" in metrics
+    for key in ("latency/prefill_ms", "latency/decode_ms", "throughput/decode_tok_s", "memory/kv_cache_mb"):
+        assert metrics[key] > 0, key
+    assert metrics["generation/tokens"] == 32  # prompt.batch_size 1 x prompt.output_len 32 (EOS aside)
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "generation")} == {
+        "generation/tokens.json"
+    }
     transform_files = {a.path for a in client.list_artifacts(run.info.run_id, "transforms")}
     assert {
         "transforms/report.json",
@@ -98,3 +104,25 @@ def test_text_model_partial_falls_back_to_whole_model(tmp_path, tracking_uri):
     )
     _, runs = mlflow_runs(tracking_uri)
     assert "graph/root/nodes" in runs[0].data.metrics
+
+
+def test_benchmark_mode_and_capture_none_agree(tmp_path, tracking_uri):
+    """benchmark.enabled: warm-up then timed runs with spread; capture=none decodes the same tokens."""
+    common = [
+        "model=tiny_llama3_1_8b",
+        "prompt.batch_size=3",
+        "prompt.prompt_len=20",
+        "prompt.output_len=6",
+        f"tracking.uri={tracking_uri}",
+    ]
+    proc = run_pipeline([*common, "benchmark.enabled=true", "benchmark.iterations=2"], tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_pipeline([*common, "capture=none"], tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, runs = mlflow_runs(tracking_uri)
+    bench = next(r for r in runs if r.data.tags["capture"] == "partial")
+    assert bench.data.metrics["latency/decode_ms_min"] <= bench.data.metrics["latency/decode_ms_max"]
+    tokens = [
+        json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text()) for d in ("a", "b")
+    ]
+    assert tokens[0] == tokens[1]

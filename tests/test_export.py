@@ -40,9 +40,14 @@ def test_partial_capture_matches_eager(name):
 
     graph = model.get_submodule(paths[0])
     assert isinstance(graph, torch.fx.GraphModule)
-    assert captured[0].tensor_inputs == ["inputs_embeds"]  # kwargs-only, tensors as inputs
+    # kwargs-only, tensors as inputs; position ids made an input so a decode step can say where it is
+    assert sorted(captured[0].tensor_inputs) == ["inputs_embeds", "position_ids"]
     assert captured[0].constants.get("use_cache") is False  # non-tensors baked in
     assert captured[0].dynamic_dims["inputs_embeds"] == {0: "batch", 1: "seq"}
+    rope_dims = (
+        {1: "batch", 2: "seq"} if name == "tiny_qwen2_5_vl" else {0: "batch", 1: "seq"}
+    )  # mrope: [3, B, S]
+    assert captured[0].dynamic_dims["position_ids"] == rope_dims
     assert not captured[0].notes  # nothing specialized
     # The vision tower stays eager, module by module.
     assert [n for n, _ in model.named_modules() if "vision" in n or "visual" in n] == eager_vision
@@ -57,7 +62,7 @@ def test_full_capture_of_text_models_matches_eager(name):
     reference = {k: _logits(model, c) for k, c in {"text": examples.text, "longer": longer}.items()}
     captured_model, captured = _capture(model, hf_config, examples.text, [""])
     assert isinstance(captured_model, torch.fx.GraphModule)
-    assert captured[0].tensor_inputs == ["input_ids"]
+    assert sorted(captured[0].tensor_inputs) == ["input_ids", "position_ids"]
     torch.testing.assert_close(_logits(captured_model, examples.text), reference["text"], rtol=0, atol=1e-5)
     torch.testing.assert_close(_logits(captured_model, longer), reference["longer"], rtol=0, atol=1e-5)
 
@@ -86,8 +91,13 @@ def test_positional_call_and_constant_mismatch():
         torch.testing.assert_close(out.last_hidden_state, expected, rtol=0, atol=1e-5)
         with pytest.raises(graph_capture.ExportError, match="use_cache=False"):
             graph(inputs_embeds=embeds, use_cache=True)
-        with pytest.raises(graph_capture.ExportError, match="without 'position_ids'"):
-            graph(inputs_embeds=embeds, position_ids=torch.arange(embeds.shape[1])[None])
+        with pytest.raises(graph_capture.ExportError, match="without 'attention_mask'"):
+            graph(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2]))
+        # Explicit positions: shifted ones give other outputs (the graph does not bake in an arange).
+        shifted = graph(
+            inputs_embeds=embeds, position_ids=torch.arange(5, 5 + embeds.shape[1])[None].expand(2, -1)
+        )
+        assert not torch.allclose(shifted.last_hidden_state, expected)
 
 
 def test_graph_keeps_the_parents_interface_without_copying_weights():

@@ -14,13 +14,24 @@ from pipeline.transforms import registry
 
 # Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer; Llama-4's
 # second layer has no RoPE), RMSNorms (2 per layer + final; Llama-4 adds QK-norm on its RoPE layer),
-# fused GEMM groups (q/k/v and gate/up per layer; Llama-4's gate/up is the shared expert's).
+# fused GEMM groups (q/k/v and gate/up per layer; Llama-4's gate/up is the shared expert's), and a
+# cached attention per layer.
 EXPECTED = {
-    "tiny_mistral3": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
-    "tiny_magistral": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
-    "tiny_llama3_1_8b": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
-    "tiny_qwen2_5_vl": dict(match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4),
-    "tiny_llama4_scout": dict(match_attention=2, match_rope=2, match_rmsnorm=7, fuse_gemms=4),
+    "tiny_mistral3": dict(
+        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
+    ),
+    "tiny_magistral": dict(
+        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
+    ),
+    "tiny_llama3_1_8b": dict(
+        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
+    ),
+    "tiny_qwen2_5_vl": dict(
+        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
+    ),
+    "tiny_llama4_scout": dict(
+        match_attention=2, match_rope=2, match_rmsnorm=7, fuse_gemms=4, insert_cached_attention=2
+    ),
 }
 
 
@@ -53,10 +64,14 @@ def _captured(name: str, attn_implementation: str | None = None):
     return model, calls, reference
 
 
-def _assert_same(model, calls, reference, atol=1e-5):
+def _assert_same(model, calls, reference, tol=1e-5):
+    """Within tol of the largest logit (the wide tiny init makes logits of several units)."""
     with torch.no_grad():
         for key, call in calls.items():
-            torch.testing.assert_close(model(**call).logits, reference[key], rtol=0, atol=atol, msg=key)
+            scale = max(1.0, reference[key].abs().max().item())
+            torch.testing.assert_close(
+                model(**call).logits, reference[key], rtol=0, atol=tol * scale, msg=key
+            )
 
 
 def _run(model, overrides=()):
@@ -78,8 +93,9 @@ def test_default_transforms_match_every_layer_and_keep_outputs(name):
     _assert_same(model, calls, reference)
     graph = registry.find_graphs(model)[0][1]
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
-    assert {"pipeline.attention.default", "pipeline.rms_norm.default"} <= targets
+    assert "pipeline.rms_norm.default" in targets
     assert "aten.scaled_dot_product_attention.default" not in targets
+    assert "pipeline.cached_attention.default" in targets and "pipeline.attention.default" not in targets
     assert not any("_assert_tensor_metadata" in t for t in targets)
 
 
@@ -120,9 +136,12 @@ def test_eager_attention_without_mask_and_with_division():
 
 
 def test_transformed_graph_stays_exportable():
+    """The rewritten graph exports again (canonical ops have fake kernels); the cached one takes
+    runtime inputs, so it is left out here."""
     model, calls, _ = _captured("tiny_magistral")
-    _run(model)
-    call = {"input_ids": calls["text"]["input_ids"]}
+    _run(model, ["transforms.insert_cached_attention.enabled=false"])
+    ids = calls["text"]["input_ids"]
+    call = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)}
     program = torch.export.export(model, (), call, strict=False)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(**call).logits, model(**call).logits)
@@ -201,9 +220,10 @@ def test_switches_from_the_command_line():
         "match_rope",
         "match_rmsnorm",
         "fuse_gemms",
+        "insert_cached_attention",
     ]
-    assert not parsed[-1].config.enabled
+    assert not parsed[4].config.enabled
     model, _, _ = _captured("tiny_magistral")
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, history)
-    assert history.records[-1].status == "disabled"
+    assert history.records[4].status == "disabled"

@@ -115,6 +115,35 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, A
     return named
 
 
+def first_tensor(call: dict[str, Any]) -> torch.Tensor:
+    """input_ids [B, S] or inputs_embeds [B, S, H]: the call's batch and sequence."""
+    return next(call[k] for k in ("input_ids", "inputs_embeds") if isinstance(call.get(k), torch.Tensor))
+
+
+def default_position_ids(config, tokens: torch.Tensor) -> torch.Tensor:
+    """What HF's language models compute when given no position ids and no cache: 0..S-1 per
+    sequence, [B, S]; [3, B, S] for multimodal RoPE (Qwen2.5-VL), all three rows equal."""
+    text_config = getattr(config, "text_config", None) or config
+    batch, seq = tokens.shape[0], tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device)[None].expand(batch, -1)
+    if (getattr(text_config, "rope_parameters", None) or {}).get("mrope_section"):
+        return positions[None].expand(3, -1, -1)
+    return positions
+
+
+def with_position_ids(module: nn.Module, recorded: RecordedCall) -> RecordedCall:
+    """Position ids as a graph input: the runtime must tell a decode step where it is, and HF's
+    models compute them from an arange when none are given, which export would bake in."""
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        return recorded
+    if recorded.kwargs.get("position_ids") is not None:
+        return recorded
+    config = getattr(module, "config", None)
+    return RecordedCall(
+        {**recorded.kwargs, "position_ids": default_position_ids(config, first_tensor(recorded.kwargs))}
+    )
+
+
 def record_calls(
     model: nn.Module, paths: list[str], call: dict[str, Any]
 ) -> tuple[dict[str, RecordedCall], Any]:
@@ -189,7 +218,7 @@ def constants_bound(module: nn.Module, constants: dict[str, Any]) -> Iterator[No
 def export_module(
     module: nn.Module, path: str, recorded: RecordedCall, batch: int, seq: int
 ) -> CapturedGraph:
-    tensors, constants, dropped = recorded.split()
+    tensors, constants, dropped = with_position_ids(module, recorded).split()
     spec, dims = dynamic_shape_spec(module, tensors, batch, seq)
     start = time.perf_counter()
     # On failure torch prints the partial graph (hundreds of lines) to stderr: keep it for the
@@ -242,7 +271,9 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module, captur
         call = _bind(signature_owner, args, kwargs)
         adapted: dict[str, Any] = {}
         for name, value in call.items():
-            if name in inputs:
+            if name == "position_ids" and value is None and name in inputs:
+                adapted[name] = default_position_ids(signature_owner.config, first_tensor(call))
+            elif name in inputs:
                 adapted[name] = value
             elif name in captured.constants:
                 if value != captured.constants[name]:
@@ -255,6 +286,12 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module, captur
                     f"graph '{captured.name}' was exported without '{name}' and was called with it "
                     f"({type(value).__name__}); its inputs are {sorted(inputs)}"
                 )
+        if "position_ids" in inputs and "position_ids" not in adapted:
+            adapted["position_ids"] = default_position_ids(signature_owner.config, first_tensor(call))
+        # Inputs the graph gained after export (insert_cached_attention's cache and metadata).
+        runtime_inputs = getattr(module, "runtime_inputs", None)
+        if runtime_inputs is not None:
+            adapted.update(runtime_inputs(adapted))
         return (), adapted
 
     graph_module.register_forward_pre_hook(adapt, with_kwargs=True, prepend=True)

@@ -1,7 +1,7 @@
 """Example inputs for export and the correctness check: token ids, and synthetic images for VLMs.
 
 Each VLM family takes images in its own layout and expects a matching number of image placeholder
-tokens in `input_ids`; `_IMAGE_LAYOUTS` knows them. The images are synthetic (seeded noise already
+tokens in `input_ids`; `IMAGE_LAYOUTS` knows them. The images are synthetic (seeded noise already
 in the model's pixel layout), so no image processor or hub file is needed.
 """
 
@@ -80,7 +80,7 @@ def _llama4_images(config, batch: int, size: int, dtype, device, generator) -> I
     return ImageBatch({"pixel_values": pixels}, tokens, [config.boi_token_index], [config.eoi_token_index])
 
 
-_IMAGE_LAYOUTS: dict[str, Callable[..., ImageBatch]] = {
+IMAGE_LAYOUTS: dict[str, Callable[..., ImageBatch]] = {
     "mistral3": _mistral3_images,
     "qwen2_5_vl": _qwen2_5_vl_images,
     "llama4": _llama4_images,
@@ -99,7 +99,7 @@ def image_token_id(config) -> int:
     return getattr(config, "image_token_index", None) or config.image_token_id
 
 
-def _random_ids(shape: tuple[int, ...], vocab: int, avoid: set[int], generator) -> torch.Tensor:
+def random_ids(shape: tuple[int, ...], vocab: int, avoid: set[int], generator) -> torch.Tensor:
     # Special tokens (image slots, vision start) would change what the model does: redraw them.
     ids = torch.randint(0, vocab, shape, generator=generator)
     special = torch.isin(ids, torch.tensor(sorted(avoid), dtype=ids.dtype))
@@ -109,7 +109,7 @@ def _random_ids(shape: tuple[int, ...], vocab: int, avoid: set[int], generator) 
     return ids
 
 
-def _special_ids(config) -> set[int]:
+def special_ids(config) -> set[int]:
     names = (
         "image_token_index",
         "image_token_id",
@@ -128,20 +128,20 @@ def make_example_inputs(
     """A text-only call and, for VLMs, a call with one image per sequence; `use_cache=False`."""
     generator = torch.Generator().manual_seed(seed)
     text_config = getattr(config, "text_config", None) or config
-    avoid = _special_ids(config)
-    text_ids = _random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator).to(device)
+    avoid = special_ids(config)
+    text_ids = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator).to(device)
     text = {"input_ids": text_ids, "use_cache": False}
     if getattr(config, "vision_config", None) is None:
         return ExampleInputs(text, None)
-    layout = _IMAGE_LAYOUTS.get(config.model_type)
+    layout = IMAGE_LAYOUTS.get(config.model_type)
     if layout is None:
         raise ConfigError(
-            f"model_type={config.model_type} has no image layout; known: {', '.join(_IMAGE_LAYOUTS)}"
+            f"model_type={config.model_type} has no image layout; known: {', '.join(IMAGE_LAYOUTS)}"
         )
     images = layout(config, batch, image_size or default_image_size(config), dtype, device, generator)
     # [text... , prefix, image tokens, suffix, text...]
     half = TEXT_LEN // 2
-    body = _random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator)
+    body = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator)
     image_part = torch.tensor(
         images.prefix + [image_token_id(config)] * images.tokens_per_image + images.suffix
     ).expand(batch, -1)

@@ -55,6 +55,9 @@ def run(state: RunState) -> StageResult:
         hint = "; try capture=partial" if not path and state.model_info.is_vlm else ""
         raise StageFailure(f"{failed} in {where}: {short_cause(exc)}{hint}") from exc
 
+    if paths == [""] and state.model_info.is_vlm and state.model_info.language_model_paths:
+        # Where the decoder sits inside a full graph, for transforms that touch only its layers.
+        state.captured[0].graph_module.language_model_prefix = state.model_info.language_model_paths[0]
     result = StageResult(notes=notes)
     for captured in state.captured:
         result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes

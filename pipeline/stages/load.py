@@ -7,6 +7,7 @@ import logging
 from pipeline.export.graph_capture import find_language_models
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
+from pipeline.models.tokenizer import load_tokenizer
 from pipeline.state import ModelInfo, RunState, StageResult
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def run(state: RunState) -> StageResult:
         )
         source = f"random (seed {state.cfg.seed})"
     state.model = model
+    state.tokenizer = load_tokenizer(model_cfg.checkpoint)
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
         params=report.params,

@@ -14,6 +14,11 @@ from pipeline.transforms import registry
 
 def run(state: RunState) -> StageResult:
     transforms = registry.parse(state.cfg.transforms)
+    for transform in transforms:
+        if getattr(transform.config, "backend", None) == "auto":
+            transform.config.backend = state.attention  # the run's resolved attention= backend
+        if hasattr(transform.config, "page_size"):
+            transform.config.page_size = state.cfg.runtime.attn_page_size
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()
     try:

@@ -1,3 +1,10 @@
 """Graph rewrites. Importing the package registers every transform (see registry.TRANSFORMS)."""
 
-from pipeline.transforms import cleanup, fuse_gemms, match_attention, match_rmsnorm, match_rope  # noqa: F401
+from pipeline.transforms import (  # noqa: F401
+    cleanup,
+    fuse_gemms,
+    insert_cached_attention,
+    match_attention,
+    match_rmsnorm,
+    match_rope,
+)

@@ -1,0 +1,1 @@
+"""demollm: a small batched generation engine with a paged KV cache."""

@@ -1,0 +1,91 @@
+"""The paged KV cache: per-layer page pools, a page allocator, and the per-step sequence metadata.
+
+A layer's cache is one tensor [2, num_pages, page_size, Hkv, D] (keys, values). A sequence owns a
+list of pages; its token at position p lives in page_table[p // page_size], slot p % page_size.
+Pages are taken as sequences grow and returned when they finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+@dataclass
+class CacheSpec:
+    """What one cached attention layer needs: its graph input name and KV geometry."""
+
+    input_name: str  # e.g. kv_cache_0
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def pages_for(cfg_runtime, specs: list[CacheSpec]) -> int:
+    """From runtime.kv_cache_mb when set, else enough for max_batch_size sequences of max_seq_len."""
+    page = cfg_runtime.attn_page_size
+    if cfg_runtime.get("kv_cache_mb"):
+        bytes_per_page = sum(2 * page * s.num_kv_heads * s.head_dim * s.dtype.itemsize for s in specs)
+        return max(1, int(cfg_runtime.kv_cache_mb * 2**20 // bytes_per_page))
+    return cfg_runtime.max_batch_size * (cfg_runtime.max_seq_len // page)
+
+
+class PagedKVCache:
+    def __init__(self, specs: list[CacheSpec], num_pages: int, page_size: int, device):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.tensors = {
+            s.input_name: torch.zeros(
+                2, num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device
+            )
+            for s in specs
+        }
+        self.free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
+        self.pages: dict[int, list[int]] = {}  # sequence id -> its pages, in order
+        self.lengths: dict[int, int] = {}  # sequence id -> tokens cached
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def reserve(self, seq_id: int, new_tokens: int) -> None:
+        """Make room for new_tokens more tokens of seq_id; CacheFull when the pool is exhausted."""
+        pages = self.pages.setdefault(seq_id, [])
+        self.lengths.setdefault(seq_id, 0)
+        needed = -(-(self.lengths[seq_id] + new_tokens) // self.page_size) - len(pages)
+        if needed > len(self.free_pages):
+            raise CacheFull(
+                f"KV cache out of pages: sequence {seq_id} needs {needed} more, {len(self.free_pages)} free of "
+                f"{self.num_pages}; raise runtime.kv_cache_mb or lower prompt.batch_size"
+            )
+        pages += [self.free_pages.pop() for _ in range(needed)]
+
+    def commit(self, seq_id: int, new_tokens: int) -> None:
+        self.lengths[seq_id] += new_tokens
+
+    def free(self, seq_id: int) -> None:
+        self.free_pages += reversed(self.pages.pop(seq_id, []))
+        self.lengths.pop(seq_id, None)
+
+    def metadata(self, seq_ids: list[int], new_tokens: list[int], device) -> dict[str, torch.Tensor]:
+        """The graph's sequence inputs for one step over seq_ids (packed in that order).
+
+        qo_indptr: [B + 1], where each sequence's new tokens start in the packed step;
+        cache_lens: [B], tokens cached before this step; page_table: [B, max pages], -1 padded.
+        """
+        width = max(len(self.pages[s]) for s in seq_ids)
+        table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
+        for row, s in enumerate(seq_ids):
+            table[row, : len(self.pages[s])] = torch.tensor(self.pages[s], dtype=torch.int32)
+        indptr = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(new_tokens, dtype=torch.int32), 0)
+        return {
+            "qo_indptr": indptr.to(device),
+            "cache_lens": torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.int32, device=device),
+            "page_table": table.to(device),
+        }

@@ -1,0 +1,111 @@
+"""Requests for demollm: prompts as token ids, and for VLMs their images in the model's layout.
+
+Sources: random token ids of `prompt.prompt_len` (the profiling workload, the default), explicit
+token id lists in `prompt.queries`, or text queries tokenized with a tokenizer from a local
+checkpoint folder. VLM requests carry one synthetic image each by default, with the family's
+image placeholder tokens inserted. Nothing is fetched: a URL is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import ListConfig, OmegaConf
+
+from pipeline.errors import ConfigError
+from pipeline.models.inputs import IMAGE_LAYOUTS, default_image_size, image_token_id, random_ids, special_ids
+
+
+@dataclass
+class Request:
+    seq_id: int
+    prompt: list[int]  # token ids, image placeholders included
+    images: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # this request's pixel tensors (dim 0 concatenates)
+
+
+def _image_part(
+    hf_config, size: int | None, dtype, device, generator
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    layout = IMAGE_LAYOUTS[hf_config.model_type]
+    batch = layout(hf_config, 1, size or default_image_size(hf_config), dtype, device, generator)
+    tokens = batch.prefix + [image_token_id(hf_config)] * batch.tokens_per_image + batch.suffix
+    return tokens, batch.kwargs
+
+
+def _text_of(query: Any) -> str | None:
+    if isinstance(query, str):
+        return query
+    if isinstance(query, dict) and "prompt" in query:
+        return str(query["prompt"])
+    return None
+
+
+def _refuse_urls(query: Any, index: int) -> None:
+    text = str(query)
+    if "http://" in text or "https://" in text:
+        raise ConfigError(
+            f"prompt.queries[{index}] names a URL; nothing can be fetched offline: use a local file path"
+        )
+
+
+def _plain(queries) -> list | None:
+    return OmegaConf.to_container(queries, resolve=True) if isinstance(queries, ListConfig) else queries
+
+
+def check_queries(queries, has_tokenizer: bool) -> None:
+    """Before any model is built: queries that need a tokenizer need a local one."""
+    for index, query in enumerate(_plain(queries) or []):
+        _refuse_urls(query, index)
+        is_ids = isinstance(query, list | tuple) and all(isinstance(t, int) for t in query)
+        if not is_ids and not has_tokenizer:
+            raise ConfigError(
+                f"prompt.queries[{index}] is text, and no tokenizer is available offline: give token id lists, "
+                "or set model.checkpoint to a local folder with a tokenizer"
+            )
+
+
+def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Request]:
+    prompt = cfg.prompt
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    generator = torch.Generator().manual_seed(cfg.seed)
+    is_vlm = getattr(hf_config, "vision_config", None) is not None
+    queries = _plain(prompt.queries) or None
+    requests = []
+    for seq_id in range(prompt.batch_size if queries is None else len(queries)):
+        images: dict[str, torch.Tensor] = {}
+        image_tokens: list[int] = []
+        if is_vlm and queries is None:
+            image_tokens, images = _image_part(hf_config, prompt.image_size, dtype, device, generator)
+        if queries is None:
+            text_len = prompt.prompt_len - len(image_tokens)
+            if text_len < 1:
+                raise ConfigError(
+                    f"prompt.prompt_len={prompt.prompt_len} leaves no room for text beside the image's "
+                    f"{len(image_tokens)} tokens; raise it"
+                )
+            ids = random_ids((text_len,), text_config.vocab_size, special_ids(hf_config), generator).tolist()
+            half = len(ids) // 2
+            tokens = ids[:half] + image_tokens + ids[half:]
+        else:
+            query = queries[seq_id]
+            if isinstance(query, list | tuple) and all(isinstance(t, int) for t in query):
+                tokens = list(query)
+            else:
+                text = _text_of(query)
+                if text is None:
+                    raise ConfigError(
+                        f"prompt.queries[{seq_id}]: chat messages need a chat template and processor"
+                    )
+                tokens = tokenizer(text)["input_ids"]
+        if not tokens:
+            raise ConfigError(f"request {seq_id} has an empty prompt")
+        if len(tokens) > cfg.runtime.max_input_len:
+            raise ConfigError(
+                f"request {seq_id} has {len(tokens)} prompt tokens > runtime.max_input_len={cfg.runtime.max_input_len}"
+            )
+        requests.append(Request(seq_id, tokens, images))
+    return requests

@@ -1,0 +1,128 @@
+"""insert_cached_attention: every `pipeline::attention` becomes a cached attention op of the chosen
+backend, which writes the new keys/values into a paged KV cache and attends over the history.
+
+The graph gains kwargs inputs: one cache per attention layer (`kv_cache_<i>`: [2, pages, page_size,
+Hkv, D]) and the step's sequence metadata (`qo_indptr`, `cache_lens`, `page_table`). The causal
+mask HF computed from shapes is dropped; the layer's sliding window or attention chunk (Llama-4's
+chunked layers) comes from the text config's `layer_types` and goes to the op.
+In a full graph of a VLM only the language model's attention (under the graph's
+`language_model_prefix`, set at export) gets a cache. A graph module with cached attention carries `cache_specs` (what to allocate) and a
+`runtime_inputs` provider the kwargs adapter calls for those inputs: by default a fresh cache per
+call (each call is a prefill of new sequences, so a plain forward still works and is checked
+against eager); demollm binds its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from pipeline.attention import cached_attention_op, resolve
+from pipeline.export.graph_capture import first_tensor
+from pipeline.runtime.kv_cache import CacheSpec, PagedKVCache
+from pipeline.transforms import ops  # noqa: F401  (registers pipeline::attention)
+from pipeline.transforms.graph import add_inputs, finish, is_op, replace
+from pipeline.transforms.registry import Transform, TransformConfig, register
+
+ATTENTION = torch.ops.pipeline.attention.default
+METADATA = ("qo_indptr", "cache_lens", "page_table")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class InsertCachedAttentionConfig(TransformConfig):
+    backend: str = "auto"  # auto: the run's resolved `attention=` backend
+    page_size: int = 64  # for the fresh cache of plain forward calls; demollm uses runtime.attn_page_size
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    return stack[-1][0] if stack else ""
+
+
+def _layer_index(node: fx.Node) -> int | None:
+    match = _LAYER.search(_module_path(node) + ".")
+    return int(match.group(1)) if match else None
+
+
+def _in_language_model(node: fx.Node, prefix: str) -> bool:
+    """Only the decoder's attention gets a cache: in a full graph of a VLM the vision tower's
+    attention (bidirectional, over patches) is matched too and must stay as it is."""
+    return not prefix or _module_path(node).startswith(prefix + ".")
+
+
+def _window_and_chunk(text_config, layer: int | None) -> tuple[int, int]:
+    """(sliding window, attention chunk) of a layer, 0 for none, as HF's mask would have applied."""
+    types = getattr(text_config, "layer_types", None)
+    if types and layer is not None and layer < len(types):
+        kind = types[layer]
+    else:
+        kind = "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
+    if kind == "chunked_attention":
+        return 0, int(text_config.attention_chunk_size)
+    if kind == "sliding_attention":
+        return int(text_config.sliding_window), 0
+    return 0, 0
+
+
+class FreshCacheInputs:
+    """Runtime inputs for a plain forward call: the call's N sequences of S tokens are new."""
+
+    def __init__(self, specs: list[CacheSpec], page_size: int):
+        self.specs, self.page_size = specs, page_size
+
+    def __call__(self, call: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        first = first_tensor(call)  # input_ids [N, S] or inputs_embeds [N, S, H]
+        batch, seq = first.shape[0], first.shape[1]
+        cache = PagedKVCache(self.specs, batch * -(-seq // self.page_size), self.page_size, first.device)
+        for i in range(batch):
+            cache.reserve(i, seq)
+        return {**cache.tensors, **cache.metadata(list(range(batch)), [seq] * batch, first.device)}
+
+
+@register
+class InsertCachedAttention(Transform):
+    name = "insert_cached_attention"
+    Config = InsertCachedAttentionConfig
+
+    def apply_graph(self, gm: fx.GraphModule) -> int:
+        config = getattr(gm, "config", None)
+        text_config = getattr(config, "text_config", None) or config
+        prefix = getattr(gm, "language_model_prefix", "")
+        nodes = [n for n in gm.graph.nodes if is_op(n, ATTENTION) and _in_language_model(n, prefix)]
+        if not nodes:
+            return 0
+        on_cuda = any(p.is_cuda for p in gm.parameters())
+        op = cached_attention_op(resolve(self.config.backend, on_cuda))
+        specs = []
+        for i, node in enumerate(nodes):
+            k_value = node.args[1].meta.get("val")  # [B, Hkv, S, D]
+            if k_value is None:
+                raise ValueError(f"{node.name}: no shape metadata on its keys")
+            specs.append(
+                CacheSpec(f"kv_cache_{i}", int(k_value.shape[1]), int(k_value.shape[3]), k_value.dtype)
+            )
+        inputs = dict(
+            zip(
+                [s.input_name for s in specs] + list(METADATA),
+                add_inputs(gm, [s.input_name for s in specs] + list(METADATA)),
+                strict=True,
+            )
+        )
+        for spec, node in zip(specs, nodes, strict=True):
+            q, k, v, _mask, scale, _is_causal = node.args
+            window, chunk = _window_and_chunk(text_config, _layer_index(node))
+            with gm.graph.inserting_before(node):
+                cached = gm.graph.call_function(
+                    op,
+                    (q, k, v, inputs[spec.input_name], *(inputs[m] for m in METADATA), scale, window, chunk),
+                )
+            replace(node, cached)
+            gm.graph.erase_node(node)
+        finish(gm)
+        gm.cache_specs = specs
+        gm.runtime_inputs = FreshCacheInputs(specs, self.config.page_size)
+        return len(nodes)

@@ -1,0 +1,165 @@
+"""demollm: greedy tokens identical to Hugging Face generate, the paged cache's bookkeeping, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg
+
+from pipeline.attention.torch_backend import allowed
+from pipeline.export import graph_capture
+from pipeline.models import zoo
+from pipeline.runtime.engine import DemoLLM, EagerRunner, PagedRunner
+from pipeline.runtime.kv_cache import CacheFull, CacheSpec, PagedKVCache
+from pipeline.runtime.requests import Request, _image_part
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.stages.generate import eos_ids
+from pipeline.transforms import registry
+
+PAGE = 8  # smaller than the prompts, so sequences span several pages
+
+
+def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> list[Request]:
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(20, 400, (n,), generator=generator).tolist()
+        pixels = {}
+        if images and i % 2 == 0:  # every other request carries an image
+            tokens, pixels = _image_part(hf_config, None, torch.float32, torch.device("cpu"), generator)
+            ids = ids[:2] + tokens + ids[2:]
+        requests.append(Request(i, ids, pixels))
+    return requests
+
+
+def _engine(name: str, capture: str = "partial", overrides=()):
+    model, hf_config, examples = build_tiny(name)
+    cfg = compose_cfg([f"model={name}", f"runtime.attn_page_size={PAGE}", *overrides])
+    if capture != "none":
+        paths = (
+            graph_capture.find_language_models(model, zoo.text_config_of(hf_config))
+            if examples.image
+            else [""]
+        )
+        model, _ = graph_capture.capture(model, paths, examples.image or examples.text)
+        transforms = registry.parse(cfg.transforms)
+        for t in transforms:
+            if hasattr(t.config, "backend"):
+                t.config.backend, t.config.page_size = "torch", PAGE
+        registry.run_transforms(model, transforms, registry.TransformHistory())
+    return DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids(hf_config)), hf_config
+
+
+def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[int, list[int]]:
+    """Hugging Face generate on the eager model, one request at a time (no padding)."""
+    model, _, _ = build_tiny(name)
+    out = {}
+    for r in requests:
+        with torch.no_grad():
+            ids = model.generate(
+                input_ids=torch.tensor([r.prompt]), **r.images, max_new_tokens=new_tokens, do_sample=False
+            )
+        out[r.seq_id] = ids[0, len(r.prompt) :].tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("lengths", [[13], [5, 9, 13, 40]], ids=["batch1", "batch4-mixed"])
+def test_greedy_tokens_equal_hf_generate(name, lengths):
+    """Partly captured, transformed, cached model vs HF generate: the same tokens. The 40-token
+    prompt crosses tiny Llama-4's attention chunk of 32."""
+    engine, hf_config = _engine(name)
+    requests = _requests(hf_config, lengths, images=zoo.is_vlm(hf_config))
+    generation = engine.generate(requests, 8, SamplingParams(), seed=0)
+    assert generation.tokens == _hf_generate(name, requests, 8)
+    assert isinstance(engine.runner, PagedRunner)
+    assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages  # every page came back
+
+
+@pytest.mark.parametrize("name", TINY_VLMS)
+def test_vlm_text_only_requests(name):
+    engine, hf_config = _engine(name)
+    requests = _requests(hf_config, [6, 11], images=False)
+    assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
+
+
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b"])
+def test_capture_none_runs_the_same_loop(name):
+    engine, hf_config = _engine(name, capture="none")
+    assert isinstance(engine.runner, EagerRunner)
+    requests = _requests(hf_config, [9, 9, 9], images=zoo.is_vlm(hf_config))
+    assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
+
+
+def test_cached_keys_equal_eager_keys():
+    """After prefill + k decode steps the paged cache holds, for one sequence, the keys (post-RoPE)
+    that HF's own cache holds for the same prefix."""
+    engine, hf_config = _engine("tiny_llama3_1_8b")
+    requests = _requests(hf_config, [11, 19], images=False)
+    runner = engine.runner
+    logits = runner.forward(requests, [r.prompt for r in requests], images=True)
+    tokens = [requests[i].prompt + [int(logits[i].argmax())] for i in range(2)]
+    for _ in range(3):
+        logits = runner.forward(requests, [[t[-1]] for t in tokens], images=False)
+        for i in range(2):
+            tokens[i].append(int(logits[i].argmax()))
+    seq = requests[1]
+    length = runner.cache.lengths[seq.seq_id]
+    assert length == len(seq.prompt) + 3
+    pages = torch.tensor(runner.cache.pages[seq.seq_id])
+    positions = torch.arange(length)
+    cache = runner.cache.tensors["kv_cache_0"]  # [2, P, page, Hkv, D]
+    cached_keys = cache[0, pages[positions // PAGE], positions % PAGE]  # [S, Hkv, D]
+
+    from transformers import DynamicCache
+
+    eager, _, _ = build_tiny("tiny_llama3_1_8b")
+    hf_cache = DynamicCache(config=eager.config)
+    with torch.no_grad():
+        eager(input_ids=torch.tensor([tokens[1][:length]]), past_key_values=hf_cache, use_cache=True)
+    eager_keys = hf_cache.layers[0].keys[0].transpose(0, 1)  # [Hkv, S, D] -> [S, Hkv, D]
+    torch.testing.assert_close(cached_keys, eager_keys, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_allocation_and_release():
+    spec = [CacheSpec("kv_cache_0", 2, 4, torch.float32)]
+    cache = PagedKVCache(spec, num_pages=4, page_size=8, device=torch.device("cpu"))
+    cache.reserve(0, 10)  # 2 pages
+    cache.commit(0, 10)
+    cache.reserve(0, 6)  # 16 tokens still fit 2 pages
+    assert len(cache.pages[0]) == 2 and len(cache.free_pages) == 2
+    cache.commit(0, 6)
+    cache.reserve(1, 16)
+    with pytest.raises(CacheFull, match="runtime.kv_cache_mb"):
+        cache.reserve(2, 1)
+    cache.free(0)
+    assert len(cache.free_pages) == 2
+    meta = cache.metadata([1], [16], torch.device("cpu"))
+    assert meta["qo_indptr"].tolist() == [0, 16] and meta["cache_lens"].tolist() == [0]
+
+
+def test_out_of_pages_is_a_clear_error():
+    engine, hf_config = _engine("tiny_magistral", overrides=["runtime.kv_cache_mb=1"])
+    engine.runner.cache = PagedKVCache(engine.runner.graph.cache_specs, 3, PAGE, torch.device("cpu"))
+    with pytest.raises(CacheFull, match="out of pages"):
+        engine.generate(_requests(hf_config, [20, 20], images=False), 4, SamplingParams(), seed=0)
+
+
+def test_allowed_mask_window_and_chunk():
+    q_pos = torch.tensor([[5, 6]])
+    k_pos = torch.arange(8)
+    total = torch.tensor([7])
+    assert allowed(q_pos, k_pos, total, 0, 0)[0, 1].tolist() == [True] * 7 + [False]
+    assert allowed(q_pos, k_pos, total, 3, 0)[0, 1].tolist() == [False] * 4 + [True] * 3 + [False]
+    assert allowed(q_pos, k_pos, total, 0, 4)[0, 1].tolist() == [False] * 4 + [True] * 3 + [False]
+
+
+def test_sampling_is_seeded():
+    engine, hf_config = _engine("tiny_magistral")
+    requests = _requests(hf_config, [7, 7], images=False)
+    hot = SamplingParams(temperature=1.5, top_k=50, top_p=0.9)
+    first = engine.generate(requests, 8, hot, seed=3).tokens
+    assert engine.generate(requests, 8, hot, seed=3).tokens == first
+    assert engine.generate(requests, 8, hot, seed=4).tokens != first
+    greedy = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
+    assert engine.generate(requests, 8, SamplingParams(temperature=1.0, top_k=1), seed=9).tokens == greedy
