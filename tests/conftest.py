@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it is chosen when a
+# kernel is defined, so before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -39,6 +44,16 @@ def build_tiny(name: str, seed: int = 0):
     model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed)
     examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed)
     return model, hf_config, examples
+
+
+def pytest_collection_modifyitems(items):
+    """`cuda` tests need a GPU; they are skipped without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
     return requests
 
 
-def _engine(name: str, capture: str = "partial", overrides=()):
+def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "torch"):
     model, hf_config, examples = build_tiny(name)
     cfg = compose_cfg([f"model={name}", f"runtime.attn_page_size={PAGE}", *overrides])
     if capture != "none":
@@ -45,7 +45,7 @@ def _engine(name: str, capture: str = "partial", overrides=()):
         transforms = registry.parse(cfg.transforms)
         for t in transforms:
             if hasattr(t.config, "backend"):
-                t.config.backend, t.config.page_size = "torch", PAGE
+                t.config.backend, t.config.page_size = backend, PAGE
         registry.run_transforms(model, transforms, registry.TransformHistory())
     return DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids(hf_config)), hf_config
 

@@ -8,9 +8,9 @@ import importlib.util
 
 import torch
 
-# Backends with a cached attention op today. triton and flashinfer are accepted by the config
-# schema (and refused on CPU) but have no kernel yet.
-IMPLEMENTED = ("torch",)
+# Backends with a cached attention op today; flashinfer is accepted by the config schema (and
+# refused on CPU) but has no kernel binding yet.
+IMPLEMENTED = ("torch", "triton")
 
 
 def resolve(name: str, on_cuda: bool) -> str:
@@ -31,6 +31,10 @@ def cached_attention_op(backend: str):
         from pipeline.attention import torch_backend  # noqa: F401  (registers the op)
 
         return torch.ops.pipeline.cached_attention.default
+    if backend == "triton":
+        from pipeline.attention import triton_backend  # noqa: F401  (registers the op)
+
+        return torch.ops.pipeline.cached_attention_triton.default
     raise BackendNotImplemented(
         f"attention={backend} has no cached attention kernel yet; use attention=torch"
     )

@@ -1,0 +1,92 @@
+"""Cached attention backends against each other and against plain attention over the full history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.attention import cached_attention_op
+from pipeline.attention.torch_backend import allowed
+
+PAGE, H, HKV, D = 8, 4, 2, 16
+
+
+def _case(device="cpu", dtype=torch.float32):
+    """Two sequences: one with 10 cached tokens and 3 new, one with 12 new; scattered pages."""
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, 16, PAGE, HKV, D, dtype=dtype)
+    table = torch.tensor([[5, 2, -1], [7, 0, 9]], dtype=torch.int32)
+    history = torch.randn(2, 10, HKV, D, generator=generator).to(dtype)
+    for p in range(10):
+        cache[:, table[0, p // PAGE], p % PAGE] = history[:, p]
+    q = torch.randn(1, H, 15, D, generator=generator).to(dtype)
+    k = torch.randn(1, HKV, 15, D, generator=generator).to(dtype)
+    v = torch.randn(1, HKV, 15, D, generator=generator).to(dtype)
+    meta = (torch.tensor([0, 3, 15], dtype=torch.int32), torch.tensor([10, 0], dtype=torch.int32), table)
+    return [t.to(device) for t in (q, k, v, cache, *meta)], history
+
+
+def _expected(q, k, v, history, window, chunk):
+    """Plain SDPA over each sequence's whole key list with the same mask rules."""
+    outs = []
+    for start, end, cached in [(0, 3, 10), (3, 15, 0)]:
+        keys = (
+            torch.cat([history[0][:cached], k[0, :, start:end].transpose(0, 1)])
+            if cached
+            else k[0, :, start:end].transpose(0, 1)
+        )
+        values = (
+            torch.cat([history[1][:cached], v[0, :, start:end].transpose(0, 1)])
+            if cached
+            else v[0, :, start:end].transpose(0, 1)
+        )
+        q_pos = torch.arange(cached, cached + end - start)[None]
+        mask = allowed(q_pos, torch.arange(keys.shape[0]), torch.tensor([keys.shape[0]]), window, chunk)[0]
+        out = F.scaled_dot_product_attention(
+            q[0, :, start:end][None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=0.25,
+            enable_gqa=True,
+        )
+        outs.append(out[0])
+    return torch.cat(outs, dim=1)[None]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(("window", "chunk"), [(0, 0), (5, 0), (0, 8)], ids=["causal", "window5", "chunk8"])
+def test_backend_matches_plain_attention(backend, window, chunk):
+    (q, k, v, cache, indptr, lens, table), history = _case()
+    out = cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, 0.25, window, chunk)
+    torch.testing.assert_close(out, _expected(q, k, v, history, window, chunk), rtol=1e-5, atol=1e-5)
+    # the new keys landed in their pages: sequence 1's token 9 is in its second page, slot 1
+    torch.testing.assert_close(cache[0, 0, 1], k[0, :, 3 + 9])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout"])
+def test_triton_backend_generates_the_torch_backends_tokens(name):
+    from test_runtime import _engine, _requests
+
+    from pipeline.runtime.sampling import SamplingParams
+
+    torch_engine, hf_config = _engine(name)
+    triton_engine, _ = _engine(
+        name, overrides=["transforms.insert_cached_attention.backend=triton"], backend="triton"
+    )
+    requests = _requests(hf_config, [5, 40], images=True)
+    assert (
+        triton_engine.generate(requests, 5, SamplingParams(), seed=0).tokens
+        == torch_engine.generate(requests, 5, SamplingParams(), seed=0).tokens
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backends_on_gpu_in_bfloat16(backend):
+    (q, k, v, cache, indptr, lens, table), history = _case("cuda", torch.bfloat16)
+    out = cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, 0.25, 0, 0)
+    expected = _expected(*(t.float().cpu() for t in (q, k, v)), history.float(), 0, 0)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
