@@ -182,12 +182,6 @@ def validate(cfg: Any, cuda_available: bool) -> None:
         raise ConfigError(
             f"attention={cfg.attention.name} needs a CUDA device, and this run is on CPU; use attention=auto"
         )
-    from pipeline.attention import IMPLEMENTED
-
-    if cfg.attention.name != "auto" and cfg.attention.name not in IMPLEMENTED:
-        raise ConfigError(
-            f"attention={cfg.attention.name} has no cached attention kernel yet; use attention=torch or attention=auto"
-        )
     if cfg.attention.name == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         raise ConfigError(
             "attention=flashinfer but the flashinfer package is not installed; install it or use attention=auto"

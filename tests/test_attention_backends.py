@@ -83,9 +83,24 @@ def test_triton_backend_generates_the_torch_backends_tokens(name):
     )
 
 
+def test_flashinfer_page_layout():
+    """Our padded page table as flashinfer's CSR pages (runs without flashinfer: pure torch)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer not installed")
+    from pipeline.attention.flashinfer_backend import csr_pages
+
+    table = torch.tensor([[5, 2, -1], [7, 0, 9]], dtype=torch.int32)
+    indptr, indices, last = csr_pages(table, torch.tensor([13, 17]), PAGE)
+    assert indptr.tolist() == [0, 2, 5] and indices.tolist() == [5, 2, 7, 0, 9] and last.tolist() == [5, 1]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
 def test_backends_on_gpu_in_bfloat16(backend):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
     (q, k, v, cache, indptr, lens, table), history = _case("cuda", torch.bfloat16)
     out = cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, 0.25, 0, 0)
     expected = _expected(*(t.float().cpu() for t in (q, k, v)), history.float(), 0, 0)

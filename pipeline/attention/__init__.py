@@ -8,21 +8,13 @@ import importlib.util
 
 import torch
 
-# Backends with a cached attention op today; flashinfer is accepted by the config schema (and
-# refused on CPU) but has no kernel binding yet.
-IMPLEMENTED = ("torch", "triton")
-
 
 def resolve(name: str, on_cuda: bool) -> str:
-    """`auto`: flashinfer where installed on CUDA (once its kernel exists), else torch."""
+    """`auto`: flashinfer where installed on CUDA, else torch."""
     if name != "auto":
         return name
     installed = importlib.util.find_spec("flashinfer") is not None
-    return "flashinfer" if on_cuda and installed and "flashinfer" in IMPLEMENTED else "torch"
-
-
-class BackendNotImplemented(ValueError):
-    pass
+    return "flashinfer" if on_cuda and installed else "torch"
 
 
 def cached_attention_op(backend: str):
@@ -35,6 +27,8 @@ def cached_attention_op(backend: str):
         from pipeline.attention import triton_backend  # noqa: F401  (registers the op)
 
         return torch.ops.pipeline.cached_attention_triton.default
-    raise BackendNotImplemented(
-        f"attention={backend} has no cached attention kernel yet; use attention=torch"
-    )
+    if backend == "flashinfer":
+        from pipeline.attention import flashinfer_backend  # noqa: F401  (registers the op)
+
+        return torch.ops.pipeline.cached_attention_flashinfer.default
+    raise ValueError(f"attention={backend} is not a backend; use torch, triton or flashinfer")
