@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -75,6 +76,7 @@ class PromptConfig:
     output_len: int = 32
     queries: list[Any] | None = None
     image_size: int | None = None  # synthetic image side in pixels; None: the model family's default
+    images: list[str] | None = None  # local image files for VLM requests (cycled); None: synthetic
 
 
 @dataclass
@@ -195,6 +197,13 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     _positive("profile.decode_steps", cfg.profile.decode_steps)
     if prompt.image_size is not None:
         _positive("prompt.image_size", prompt.image_size)
+    for index, path in enumerate(prompt.images or []):
+        if "://" in path:
+            raise ConfigError(
+                f"prompt.images[{index}]={path} is a URL; nothing can be fetched offline: use a local file"
+            )
+        if not Path(path).is_file():
+            raise ConfigError(f"prompt.images[{index}]={path} does not exist")
     if rt.kv_cache_mb is not None:
         _positive("runtime.kv_cache_mb", rt.kv_cache_mb)
     sampling = rt.sampling

@@ -9,9 +9,10 @@ from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg
 from pipeline.attention.torch_backend import allowed
 from pipeline.export import graph_capture
 from pipeline.models import zoo
+from pipeline.models.images import synthetic_image
 from pipeline.runtime.engine import DemoLLM, EagerRunner, PagedRunner
 from pipeline.runtime.kv_cache import CacheFull, CacheSpec, PagedKVCache
-from pipeline.runtime.requests import Request, _image_part
+from pipeline.runtime.requests import Request, image_part
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.stages.generate import eos_ids
 from pipeline.transforms import registry
@@ -26,7 +27,10 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
         ids = torch.randint(20, 400, (n,), generator=generator).tolist()
         pixels = {}
         if images and i % 2 == 0:  # every other request carries an image
-            tokens, pixels = _image_part(hf_config, None, torch.float32, torch.device("cpu"), generator)
+            image = synthetic_image(28 * (2 + i % 3), generator)  # images of different sizes in one batch
+            if hf_config.model_type == "llama4":
+                image = synthetic_image(56, generator)
+            tokens, pixels = image_part(hf_config, image, torch.float32, torch.device("cpu"))
             ids = ids[:2] + tokens + ids[2:]
         requests.append(Request(i, ids, pixels))
     return requests
@@ -163,3 +167,42 @@ def test_sampling_is_seeded():
     assert engine.generate(requests, 8, hot, seed=4).tokens != first
     greedy = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
     assert engine.generate(requests, 8, SamplingParams(temperature=1.0, top_k=1), seed=9).tokens == greedy
+
+
+def test_local_image_files_go_through_the_preprocessing(tmp_path):
+    from PIL import Image
+
+    from pipeline.runtime.requests import build_requests
+
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (150, 100), (200, 30, 30)).save(path)
+    cfg = compose_cfg(
+        ["model=tiny_mistral3", f"prompt.images=[{path}]", "prompt.batch_size=2", "prompt.prompt_len=40"]
+    )
+    from pipeline.config import validate
+
+    validate(cfg, cuda_available=False)
+    hf_config = zoo.build_hf_config(cfg.model)
+    requests = build_requests(cfg, hf_config, torch.float32, torch.device("cpu"))
+    # 150 x 100 within the tower's 112 longest edge -> 112 x 84 (multiples of 28): 4 x 3 image tokens
+    assert requests[0].images["image_sizes"].tolist() == [[84, 112]]
+    assert requests[0].prompt.count(hf_config.image_token_index) == 12 and len(requests[0].prompt) == 40
+    engine, _ = _engine("tiny_mistral3")
+    assert engine.generate(requests, 4, SamplingParams(), seed=0).tokens == _hf_generate(
+        "tiny_mistral3", requests, 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prompt.images=[https://example.com/a.png]", "is a URL"),
+        ("prompt.images=[/no/such.png]", "does not exist"),
+    ],
+)
+def test_image_sources_are_checked_up_front(override, message):
+    from pipeline.config import validate
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_cfg(["model=tiny_mistral3", override]), cuda_available=False)

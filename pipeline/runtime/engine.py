@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from pipeline.models.images import concat_pixels
 from pipeline.runtime.kv_cache import PagedKVCache, pages_for
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams, sample
@@ -36,9 +37,8 @@ def _positions(text_config, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _images(requests: list[Request]) -> dict[str, torch.Tensor]:
-    """The requests' pixel tensors, concatenated along dim 0 in request order."""
-    keys = [k for r in requests for k in r.images]
-    return {k: torch.cat([r.images[k] for r in requests if k in r.images]) for k in dict.fromkeys(keys)}
+    """The requests' pixel tensors in one call, in request order."""
+    return concat_pixels([r.images for r in requests if r.images])
 
 
 class PagedRunner:

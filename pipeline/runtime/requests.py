@@ -2,8 +2,9 @@
 
 Sources: random token ids of `prompt.prompt_len` (the profiling workload, the default), explicit
 token id lists in `prompt.queries`, or text queries tokenized with a tokenizer from a local
-checkpoint folder. VLM requests carry one synthetic image each by default, with the family's
-image placeholder tokens inserted. Nothing is fetched: a URL is refused.
+checkpoint folder. VLM requests carry one image each, through the family's preprocessing, with
+its image placeholder tokens inserted: seeded synthetic images of `prompt.image_size` by default,
+or local files from `prompt.images` (cycled over the requests). Nothing is fetched: a URL is refused.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any
 
 import torch
 from omegaconf import ListConfig, OmegaConf
+from PIL import Image
 
 from pipeline.errors import ConfigError
-from pipeline.models.inputs import IMAGE_LAYOUTS, default_image_size, image_token_id, random_ids, special_ids
+from pipeline.models.images import default_image_size, image_token_id, load_image, preprocess, synthetic_image
+from pipeline.models.inputs import random_ids, special_ids
 
 
 @dataclass
@@ -27,13 +30,10 @@ class Request:
     )  # this request's pixel tensors (dim 0 concatenates)
 
 
-def _image_part(
-    hf_config, size: int | None, dtype, device, generator
-) -> tuple[list[int], dict[str, torch.Tensor]]:
-    layout = IMAGE_LAYOUTS[hf_config.model_type]
-    batch = layout(hf_config, 1, size or default_image_size(hf_config), dtype, device, generator)
-    tokens = batch.prefix + [image_token_id(hf_config)] * batch.tokens_per_image + batch.suffix
-    return tokens, batch.kwargs
+def image_part(hf_config, image: Image.Image, dtype, device) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """One image as a request carries it: its placeholder tokens and its pixel tensors."""
+    batch = preprocess(hf_config, [image], dtype, device)
+    return batch.placeholder(image_token_id(hf_config), 0), batch.kwargs
 
 
 def _text_of(query: Any) -> str | None:
@@ -79,7 +79,11 @@ def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Reques
         images: dict[str, torch.Tensor] = {}
         image_tokens: list[int] = []
         if is_vlm and queries is None:
-            image_tokens, images = _image_part(hf_config, prompt.image_size, dtype, device, generator)
+            if prompt.images:
+                image = load_image(prompt.images[seq_id % len(prompt.images)])
+            else:
+                image = synthetic_image(prompt.image_size or default_image_size(hf_config), generator)
+            image_tokens, images = image_part(hf_config, image, dtype, device)
         if queries is None:
             text_len = prompt.prompt_len - len(image_tokens)
             if text_len < 1:
