@@ -23,6 +23,12 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
             "tiny_mistral3",
             "--repeats",
             "1",
+            "--decode-batches",
+            "1,2",
+            "--decode-steps",
+            "2",
+            "--prompt-len",
+            "16",
             "--output",
             str(output),
         ],
@@ -38,3 +44,7 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
     assert "| load, random init" in text and "| export of `model.language_model`" in text
+    decode = results["decode"]
+    assert [r["batch"] for r in decode["rows"]] == [1, 2] and decode["read_bandwidth_gbs"] > 0
+    assert all(r["demollm_ms"] > 0 and r["hf_eager_ms"] > 0 for r in decode["rows"])
+    assert "## Decode, `model=tiny_mistral3`" in text

@@ -1,8 +1,9 @@
-"""`python -m pipeline.bench [--model NAME] [--repeats N] [--no-reference] [--output FILE]`
+"""`python -m pipeline.bench [--model NAME] [--repeats N] [--no-reference] [--decode-batches 1,4] [--output FILE]`
 
-Rows so far: model load (our meta-device random init against Hugging Face's own init) and export
-of the language model, for the default `model=mistral3` configuration. Medians over repeats; the
-machine and library versions are printed with the results.
+Rows so far: model load (our meta-device random init against Hugging Face's own init), export of
+the language model, and decode (Hugging Face eager generate against demollm, with achieved
+bandwidth against the measured read bandwidth), for the default `model=mistral3` configuration.
+Medians over repeats; the machine and library versions are printed with the results.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
+from pipeline.bench import decode
+from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
@@ -47,13 +50,7 @@ def machine() -> dict[str, str]:
 
 
 def _model_setup(name: str):
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import register_schemas
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={name}"])
+    cfg = compose([f"model={name}"])
     hf_config = zoo.build_hf_config(cfg.model)
     return cfg, hf_config, zoo.resolve_model_class(cfg.model, hf_config)
 
@@ -126,6 +123,7 @@ def markdown(model: str, results: dict) -> str:
         f"< {load['target_s']:.0f} s | {ratio} |"
     )
     lines.append(f"| export of `{export['submodule']}` | {export['export_s']:.1f} s | - | - | - |")
+    lines += ["", *decode.markdown(results["decode"])]
     return "\n".join(lines) + "\n"
 
 
@@ -134,14 +132,19 @@ def main() -> None:
     parser.add_argument("--model", default="mistral3")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-reference", action="store_true", help="skip Hugging Face's own (slow) init")
+    parser.add_argument("--decode-batches", default="1,4")
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
+    batches = [int(b) for b in args.decode_batches.split(",")]
     results = {
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "model": args.model,
         "load": bench_load(args.model, args.repeats, not args.no_reference),
         "export": bench_export(args.model, args.repeats),
+        "decode": decode.bench_decode(args.model, batches, args.prompt_len, args.decode_steps, args.repeats),
     }
     args.output.write_text(markdown(args.model, results))
     args.output.with_suffix(".json").write_text(json.dumps(results, indent=2))
