@@ -56,6 +56,10 @@ class RuntimeConfig:
 @dataclass
 class BackendConfig:
     name: str = "auto"
+    fallback: str | None = (
+        None  # eager: on a compile/capture failure go on uncompiled, tagged capture_fallback
+    )
+    cuda_graph_batch_sizes: list[int] | None = None  # decode buckets; None: 1, 2, 4, ... max_batch_size
 
 
 @dataclass
@@ -189,6 +193,16 @@ def validate(cfg: Any, cuda_available: bool) -> None:
             "attention=flashinfer but the flashinfer package is not installed; install it or use attention=auto"
         )
 
+    if cfg.backend.fallback not in (None, "eager"):
+        raise ConfigError(
+            f"backend.fallback={cfg.backend.fallback} is not known; use backend.fallback=eager or null"
+        )
+    for size in cfg.backend.cuda_graph_batch_sizes or []:
+        if not 0 < size <= cfg.runtime.max_batch_size:
+            raise ConfigError(
+                f"backend.cuda_graph_batch_sizes has {size}; each must be in 1..runtime.max_batch_size"
+                f"={cfg.runtime.max_batch_size}"
+            )
     rt, prompt = cfg.runtime, cfg.prompt
     for key in ("attn_page_size", "max_input_len", "max_seq_len", "max_batch_size", "max_num_tokens"):
         _positive(f"runtime.{key}", rt[key])

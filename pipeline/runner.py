@@ -18,17 +18,18 @@ from omegaconf import DictConfig
 
 from pipeline.config import resolve_attention, resolve_backend
 from pipeline.errors import RunFailed, short_cause
-from pipeline.stages import export, generate, load, transforms
+from pipeline.stages import capture, export, generate, load, transforms
 from pipeline.state import RunState, StageResult
 from pipeline.tracking import Tracker, flatten_params, git_commit
 
 log = logging.getLogger(__name__)
 
-# The order of the pipeline; later issues add capture (before generate), profile and report.
+# The order of the pipeline; later issues add profile and report.
 STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
     ("load", load.run),
     ("export", export.run),
     ("transforms", transforms.run),
+    ("capture", capture.run),
     ("generate", generate.run),
 ]
 
@@ -103,6 +104,7 @@ class Runner:
                 log.info("[%s] %s", name, note)
             log.info("[%s] done in %.1f s", name, seconds)
             self.tracker.log_metrics({f"time/{name}_s": seconds, **result.metrics})
+            self.tracker.set_tags(result.tags)
             for path in result.artifacts:
                 self.tracker.log_artifact(path)
         self.tracker.log_metrics({"time/total_s": time.perf_counter() - start})

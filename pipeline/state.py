@@ -44,6 +44,7 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     artifacts: list[Path] = field(default_factory=list)  # files under the run folder
     notes: list[str] = field(default_factory=list)  # one line each, shown and logged
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,3 +66,4 @@ class RunState:
     transform_history: TransformHistory | None = None
     tokenizer: Any = None  # from a local checkpoint folder, when it has one
     generation: Any = None  # pipeline.runtime.engine.Generation of the last generate run
+    compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)

@@ -61,7 +61,9 @@ def tracking_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-def run_pipeline(args: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_pipeline(
+    args: list[str], tmp_path: Path, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python -m pipeline ARGS` with its Hydra folders under tmp_path."""
     multirun = "-m" in args
     folder = (
@@ -69,7 +71,7 @@ def run_pipeline(args: list[str], tmp_path: Path, timeout: int = 600) -> subproc
         if multirun
         else ["hydra.run.dir=" + str(tmp_path / "run")]
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args, *folder],
         capture_output=True,

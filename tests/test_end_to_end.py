@@ -11,7 +11,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
-    proc = run_pipeline(["model=tiny_mistral3", "capture=partial", f"tracking.uri={tracking_uri}"], tmp_path)
+    proc = run_pipeline(
+        ["model=tiny_mistral3", "capture=partial", "backend=torch-simple", f"tracking.uri={tracking_uri}"],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = mlflow_runs(tracking_uri)
     assert len(runs) == 1
@@ -19,7 +22,7 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     assert run.info.status == "FINISHED"
     assert run.data.params["model.name"] == "tiny_mistral3"
     assert run.data.params["model.hf_config.text_config.hidden_size"] == "64"
-    assert run.data.tags["capture"] == "partial" and run.data.tags["backend_resolved"] == "torch-compile"
+    assert run.data.tags["capture"] == "partial" and run.data.tags["backend_resolved"] == "torch-simple"
     metrics = run.data.metrics
     for key in (
         "time/load_s",
@@ -78,7 +81,14 @@ def test_full_capture_of_mistral3_fails_at_export_with_its_cause(tmp_path, track
 
 def test_multirun_runs_every_job_even_when_one_fails(tmp_path, tracking_uri):
     proc = run_pipeline(
-        ["-m", "model=tiny_mistral3", "capture=none,full,partial", f"tracking.uri={tracking_uri}"], tmp_path
+        [
+            "-m",
+            "model=tiny_mistral3",
+            "capture=none,full,partial",
+            "backend=torch-simple",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
     )
     assert proc.returncode == 1  # one job failed
     _, runs = mlflow_runs(tracking_uri)
@@ -87,7 +97,9 @@ def test_multirun_runs_every_job_even_when_one_fails(tmp_path, tracking_uri):
 
 
 def test_unreachable_tracking_store_still_completes_locally(tmp_path):
-    proc = run_pipeline(["model=tiny_magistral", "tracking.uri=http://127.0.0.1:9"], tmp_path)
+    proc = run_pipeline(
+        ["model=tiny_magistral", "backend=torch-simple", "tracking.uri=http://127.0.0.1:9"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MLflow tracking at http://127.0.0.1:9 failed" in proc.stdout + proc.stderr
     run_dir = tmp_path / "run"
@@ -96,7 +108,9 @@ def test_unreachable_tracking_store_still_completes_locally(tmp_path):
 
 
 def test_text_model_partial_falls_back_to_whole_model(tmp_path, tracking_uri):
-    proc = run_pipeline(["model=tiny_llama3_1_8b", f"tracking.uri={tracking_uri}"], tmp_path)
+    proc = run_pipeline(
+        ["model=tiny_llama3_1_8b", "backend=torch-simple", f"tracking.uri={tracking_uri}"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "is a text model: capture=partial captures the whole model"
@@ -124,5 +138,38 @@ def test_benchmark_mode_and_capture_none_agree(tmp_path, tracking_uri):
     assert bench.data.metrics["latency/decode_ms_min"] <= bench.data.metrics["latency/decode_ms_max"]
     tokens = [
         json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text()) for d in ("a", "b")
+    ]
+    assert tokens[0] == tokens[1]
+
+
+def test_torch_compile_run_and_capture_fallback(tmp_path, tracking_uri):
+    """The default CPU backend (torch-compile) end to end; an injected capture failure fails the
+    run at capture, or with backend.fallback=eager runs uncompiled, tagged so nobody mistakes it."""
+    common = [
+        "model=tiny_llama3_1_8b",
+        "prompt.prompt_len=16",
+        "prompt.output_len=4",
+        f"tracking.uri={tracking_uri}",
+    ]
+    proc = run_pipeline(common, tmp_path / "compiled")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"PIPELINE_INJECT_FAULT": "capture"}
+    failed = run_pipeline(common, tmp_path / "failed", env=env)
+    assert failed.returncode == 1 and "stage 'capture' failed" in failed.stderr
+    fallback = run_pipeline([*common, "backend.fallback=eager"], tmp_path / "fallback", env=env)
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    _, runs = mlflow_runs(tracking_uri)
+    by_dir = {r.data.tags["run_dir"].split("/")[-2]: r for r in runs}
+    assert by_dir["compiled"].data.tags["backend_resolved"] == "torch-compile"
+    assert by_dir["compiled"].data.metrics["time/compile_s"] > 0
+    assert "capture/recompiles" in by_dir["compiled"].data.metrics
+    assert (
+        by_dir["failed"].info.status == "FAILED" and by_dir["failed"].data.tags["failed_stage"] == "capture"
+    )
+    assert by_dir["fallback"].info.status == "FINISHED"
+    assert by_dir["fallback"].data.tags["capture_fallback"] == "true"
+    tokens = [
+        json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text())
+        for d in ("compiled", "fallback")
     ]
     assert tokens[0] == tokens[1]

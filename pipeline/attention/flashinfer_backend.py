@@ -83,4 +83,4 @@ def cached_attention_flashinfer(
 
 @cached_attention_flashinfer.register_fake
 def _fake(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, scale, window, chunk):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns

@@ -77,7 +77,9 @@ def cached_attention(
     page_size = kv_cache.shape[2]
     new_lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
     total = cache_lens.long() + new_lens  # [B]
-    q_len = int(new_lens.max())
+    # The longest run of new tokens sizes the padded queries; reading it is a device sync, which a
+    # CUDA graph capture forbids: there the packed length (an upper bound, and 1 per row in decode) serves.
+    q_len = total_tokens if q.is_cuda and torch.cuda.is_current_stream_capturing() else int(new_lens.max())
     key_len = page_table.shape[1] * page_size  # L: every page a sequence holds
     k_pos = torch.arange(key_len, device=q.device)
     pages = page_table.long().clamp(min=0)[:, torch.div(k_pos, page_size, rounding_mode="floor")]  # [B, L]
@@ -105,4 +107,4 @@ def cached_attention(
 
 @cached_attention.register_fake
 def _cached_attention_fake(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, scale, window, chunk):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns

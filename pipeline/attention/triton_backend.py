@@ -134,4 +134,4 @@ def cached_attention_triton(
 
 @cached_attention_triton.register_fake
 def _cached_attention_triton_fake(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, scale, window, chunk):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns

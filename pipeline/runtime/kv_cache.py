@@ -2,7 +2,8 @@
 
 A layer's cache is one tensor [2, num_pages, page_size, Hkv, D] (keys, values). A sequence owns a
 list of pages; its token at position p lives in page_table[p // page_size], slot p % page_size.
-Pages are taken as sequences grow and returned when they finish.
+Pages are taken as sequences grow and returned when they finish. The last page is never handed
+out: it is the scratch page that padded rows of a CUDA-graph bucket write into.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ class CacheSpec:
 
 
 def pages_for(cfg_runtime, specs: list[CacheSpec]) -> int:
-    """From runtime.kv_cache_mb when set, else enough for max_batch_size sequences of max_seq_len."""
+    """From runtime.kv_cache_mb when set, else enough for max_batch_size sequences of max_seq_len;
+    plus the scratch page."""
     page = cfg_runtime.attn_page_size
     if cfg_runtime.get("kv_cache_mb"):
         bytes_per_page = sum(2 * page * s.num_kv_heads * s.head_dim * s.dtype.itemsize for s in specs)
-        return max(1, int(cfg_runtime.kv_cache_mb * 2**20 // bytes_per_page))
-    return cfg_runtime.max_batch_size * (cfg_runtime.max_seq_len // page)
+        return max(1, int(cfg_runtime.kv_cache_mb * 2**20 // bytes_per_page)) + 1
+    return cfg_runtime.max_batch_size * (cfg_runtime.max_seq_len // page) + 1
 
 
 class PagedKVCache:
@@ -45,7 +47,8 @@ class PagedKVCache:
             )
             for s in specs
         }
-        self.free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
+        self.scratch_page = num_pages - 1
+        self.free_pages = list(range(num_pages - 2, -1, -1))  # pop() hands out low page ids first
         self.pages: dict[int, list[int]] = {}  # sequence id -> its pages, in order
         self.lengths: dict[int, int] = {}  # sequence id -> tokens cached
 
@@ -61,7 +64,7 @@ class PagedKVCache:
         if needed > len(self.free_pages):
             raise CacheFull(
                 f"KV cache out of pages: sequence {seq_id} needs {needed} more, {len(self.free_pages)} free of "
-                f"{self.num_pages}; raise runtime.kv_cache_mb or lower prompt.batch_size"
+                f"{self.num_pages - 1}; raise runtime.kv_cache_mb or lower prompt.batch_size"
             )
         pages += [self.free_pages.pop() for _ in range(needed)]
 

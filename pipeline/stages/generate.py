@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import statistics
 
+from pipeline.backends.compile import compiled_frames
+from pipeline.backends.cudagraph import CUDAGraphRunner
 from pipeline.errors import StageFailure
 from pipeline.runtime.engine import DemoLLM, Generation, PagedRunner
 from pipeline.runtime.requests import build_requests
@@ -27,15 +29,15 @@ def run(state: RunState) -> StageResult:
     except ValueError as exc:
         raise StageFailure(str(exc)) from exc
     params = SamplingParams(**cfg.runtime.sampling)
-    runs: list[Generation] = []
-    if cfg.benchmark.enabled:
-        engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)  # warm-up
-        runs = [
-            engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
-            for _ in range(cfg.benchmark.iterations)
-        ]
-    else:
-        runs = [engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)]
+    # A compiling or graph-capturing backend compiles the step shapes it first meets: warm up once so
+    # the measured run times steps, not compilation (benchmark mode always warms up).
+    warm_up = cfg.benchmark.enabled or state.backend != "torch-simple"
+    if warm_up:
+        engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
+    iterations = cfg.benchmark.iterations if cfg.benchmark.enabled else 1
+    runs: list[Generation] = [
+        engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)
+    ]
     generation = runs[-1]
     state.generation = generation
 
@@ -70,8 +72,21 @@ def run(state: RunState) -> StageResult:
         f"{metrics['generation/tokens']} tokens generated",
         f"prefill {metrics['latency/prefill_ms']:.1f} ms; decode {metrics['latency/decode_ms']:.2f} ms/step "
         f"(p90 {metrics['latency/decode_p90_ms']:.2f}), {metrics['throughput/decode_tok_s']:.1f} tok/s"
-        + (f"; median of {len(runs)} timed runs after a warm-up" if len(runs) > 1 else ""),
+        + (f"; median of {len(runs)} timed runs" if len(runs) > 1 else "")
+        + ("; after a warm-up generation" if warm_up else ""),
     ]
+    if state.backend in ("torch-compile", "torch-opt"):
+        metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
+        notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
+    runners = [m for m in state.model.modules() if isinstance(m, CUDAGraphRunner)]
+    for graph_runner in runners:
+        metrics["capture/cuda_graph_replays"] = graph_runner.replays
+        metrics["capture/uncaptured_steps"] = graph_runner.fallbacks
+        metrics["memory/cuda_graph_buffers_mb"] = graph_runner.memory_bytes() / 2**20
+        notes.append(
+            f"CUDA graphs: {graph_runner.replays} replays, {graph_runner.fallbacks} uncaptured steps "
+            f"(prefill), buckets captured {sorted(graph_runner.graphs)}"
+        )
     if isinstance(engine.runner, PagedRunner):
         cache = engine.runner.cache
         metrics["memory/kv_cache_mb"] = cache.bytes / 2**20

@@ -77,7 +77,7 @@ class FreshCacheInputs:
     def __call__(self, call: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         first = first_tensor(call)  # input_ids [N, S] or inputs_embeds [N, S, H]
         batch, seq = first.shape[0], first.shape[1]
-        cache = PagedKVCache(self.specs, batch * -(-seq // self.page_size), self.page_size, first.device)
+        cache = PagedKVCache(self.specs, batch * -(-seq // self.page_size) + 1, self.page_size, first.device)
         for i in range(batch):
             cache.reserve(i, seq)
         return {**cache.tensors, **cache.metadata(list(range(batch)), [seq] * batch, first.device)}

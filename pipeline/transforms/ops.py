@@ -23,9 +23,10 @@ def attention(
     reads each KV head once); attn_mask: bool (True = attend) or additive, broadcastable to
     [B, H, S, S_kv]; returns [B, H, S, D].
     """
-    return F.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+    return out.contiguous()  # the fake kernel promises a contiguous result (compile checks strides)
 
 
 @attention.register_fake
@@ -42,12 +43,12 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).contiguous()
 
 
 @rope.register_fake
 def _rope_fake(x, cos, sin):
-    return torch.empty_like(torch.broadcast_tensors(x, cos)[0], dtype=torch.result_type(x, cos))
+    return x.new_empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=torch.result_type(x, cos))
 
 
 @torch.library.custom_op("pipeline::rope_complex", mutates_args=())
@@ -57,12 +58,12 @@ def rope_complex(x: Tensor, freqs_cis: Tensor) -> Tensor:
     x: [B, S, H, D]; freqs_cis: complex [B, S, 1, D/2] (broadcast over heads); returns x's dtype.
     """
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)
+    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype).contiguous()
 
 
 @rope_complex.register_fake
 def _rope_complex_fake(x, freqs_cis):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("pipeline::rms_norm", mutates_args=())
@@ -73,7 +74,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return normed if weight is None else weight * normed
+    return (normed if weight is None else weight * normed).contiguous()
 
 
 @rms_norm.register_fake

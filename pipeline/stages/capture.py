@@ -1,0 +1,88 @@
+"""capture: the compile backend on each captured subgraph (never on the eager parts), warmed up and
+checked against eager on the same calls; compile time and what was captured are recorded."""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from pipeline import correctness
+from pipeline.backends import cudagraph
+from pipeline.backends.compile import compile_module, compiled_frames
+from pipeline.errors import StageFailure, short_cause
+from pipeline.faults import maybe_fail
+from pipeline.state import RunState, StageResult
+from pipeline.transforms.registry import find_graphs
+
+
+def _apply(state: RunState, targets: list[tuple[str, nn.Module]], result: StageResult) -> None:
+    backend = state.backend
+    if backend in ("torch-compile", "torch-opt"):
+        for _, target in targets:
+            compile_module(target)
+    if backend in ("torch-cudagraph", "torch-opt"):
+        cached = [(name, g) for name, g in targets if hasattr(g, "cache_specs")]
+        if not cached:
+            raise StageFailure(
+                f"backend={backend} captures decode steps of a cached graph, and there is none: "
+                "enable transforms.insert_cached_attention"
+            )
+        for name, graph in cached:
+            runner = cudagraph.install(
+                graph,
+                state.cfg.runtime,
+                state.cfg.backend.cuda_graph_batch_sizes,
+                state.device.type == "cuda",
+            )
+            result.notes.append(
+                f"'{name}': CUDA graphs for decode buckets {runner.buckets}; prefill runs uncaptured"
+            )
+            result.metrics["capture/buckets"] = len(runner.buckets)
+
+
+def _undo(targets: list[tuple[str, nn.Module]]) -> None:
+    for _, target in targets:
+        target.__dict__.pop("forward", None)  # the class's forward shows again
+        target._modules.pop("cuda_graph_runner", None)
+
+
+def run(state: RunState) -> StageResult:
+    graphs = find_graphs(state.model)
+    result = StageResult(notes=[f"backend {state.backend} (backend={state.cfg.backend.name})"])
+    if state.backend == "torch-simple":
+        result.notes.append(
+            "graphs run as exported and transformed" if graphs else "the eager model runs as it is"
+        )
+        return result
+    # With capture=none there is no subgraph: torch-compile compiles the whole eager model.
+    targets: list[tuple[str, nn.Module]] = list(graphs) if graphs else [("model", state.model)]
+    frames = compiled_frames()
+    start = time.perf_counter()
+    try:
+        _apply(state, targets, result)
+        maybe_fail("capture")
+        # The first calls compile (and warm up); the check is against the eager reference.
+        checks = correctness.check(state, "capture", result)
+        if cause := correctness.failure(checks):
+            raise StageFailure(cause)
+    except Exception as exc:
+        cause = short_cause(exc)
+        if state.cfg.backend.fallback != "eager":
+            raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
+        _undo(targets)
+        result.tags["capture_fallback"] = "true"
+        result.notes.append(
+            f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"
+        )
+        result.metrics["capture/fallback"] = 1
+        state.compiled_frames = compiled_frames()
+        return result
+    result.metrics["time/compile_s"] = time.perf_counter() - start
+    result.metrics["capture/graphs"] = len(targets)
+    result.metrics["capture/compiled_frames"] = compiled_frames() - frames
+    state.compiled_frames = compiled_frames()
+    result.notes.append(
+        f"compiled and checked {len(targets)} graph(s) in {result.metrics['time/compile_s']:.1f} s"
+    )
+    return result
