@@ -124,6 +124,7 @@ def markdown(model: str, results: dict) -> str:
     )
     lines.append(f"| export of `{export['submodule']}` | {export['export_s']:.1f} s | - | - | - |")
     lines += ["", *decode.markdown(results["decode"])]
+    lines += ["", *decode.backends_markdown(results["backends"])]
     return "\n".join(lines) + "\n"
 
 
@@ -135,6 +136,9 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,4")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument(
+        "--small-model", default="small_mistral", help="overhead-bound model for the per-backend rows"
+    )
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
     batches = [int(b) for b in args.decode_batches.split(",")]
@@ -145,6 +149,9 @@ def main() -> None:
         "load": bench_load(args.model, args.repeats, not args.no_reference),
         "export": bench_export(args.model, args.repeats),
         "decode": decode.bench_decode(args.model, batches, args.prompt_len, args.decode_steps, args.repeats),
+        "backends": decode.bench_backends(
+            args.small_model, 1, args.prompt_len, args.decode_steps, args.repeats
+        ),
     }
     args.output.write_text(markdown(args.model, results))
     args.output.with_suffix(".json").write_text(json.dumps(results, indent=2))

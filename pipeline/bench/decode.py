@@ -85,12 +85,7 @@ def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, rep
     engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())  # no early stop
     ours = {}
     for b in batches:
-        requests = [Request(i, prompts[b][i].tolist()) for i in range(b)]
-        engine.generate(requests, 2, SamplingParams(), seed=0)  # warm-up
-        ours[b] = statistics.median(
-            statistics.median(engine.generate(requests, steps + 1, SamplingParams(), seed=0).decode_step_s)
-            for _ in range(repeats)
-        )
+        ours[b], _ = _demollm_step_s(engine, prompts[b], steps, repeats)
     del model, engine
     gc.collect()
     bandwidth = read_bandwidth_gbs()
@@ -114,6 +109,69 @@ def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, rep
         "read_bandwidth_gbs": bandwidth,
         "rows": rows,
     }
+
+
+def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
+    """(median decode step, median prefill) in seconds, after a warm-up generation."""
+    requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
+    engine.generate(requests, steps + 1, SamplingParams(), seed=0)  # warm-up (and compile)
+    runs = [engine.generate(requests, steps + 1, SamplingParams(), seed=0) for _ in range(repeats)]
+    return statistics.median(statistics.median(r.decode_step_s) for r in runs), statistics.median(
+        r.prefill_s for r in runs
+    )
+
+
+def bench_backends(name: str, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+    """Per backend, same weights and batch: HF eager, HF static cache + torch.compile, demollm
+    with torch-simple and torch-compile."""
+    from pipeline.backends.compile import compile_module
+
+    cfg = compose([f"model={name}"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), seed=0
+    )
+    text_config = zoo.text_config_of(hf_config)
+    generator = torch.Generator().manual_seed(0)
+    prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
+    rows = {"HF eager generate": _hf_step_s(model, prompts, steps, repeats)}
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward)
+    rows["HF static cache + torch.compile"] = _hf_step_s(model, prompts, steps, repeats)
+    del model.forward
+    model.generation_config.cache_implementation = None
+
+    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
+    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
+    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
+    engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())
+    rows["demollm torch-simple"], _ = _demollm_step_s(engine, prompts, steps, repeats)
+    compile_module(engine.runner.graph)
+    rows["demollm torch-compile"], _ = _demollm_step_s(engine, prompts, steps, repeats)
+    eager = rows["HF eager generate"]
+    return {
+        "model": name,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "rows": [{"runner": k, "decode_ms": 1000 * v, "vs_hf_eager": v / eager} for k, v in rows.items()],
+    }
+
+
+def backends_markdown(result: dict) -> list[str]:
+    lines = [
+        f"## Decode per backend, `model={result['model']}` (float32, CPU, batch {result['batch']}, "
+        f"prompt {result['prompt_len']} tokens)",
+        "",
+        "Same weights and batch, one process; median step after a warm-up. Target for torch-compile on "
+        "CPU: at most 0.5x Hugging Face eager.",
+        "",
+        "| runner | decode ms/step | x HF eager |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {r['runner']} | {r['decode_ms']:.2f} | {r['vs_hf_eager']:.2f} |" for r in result["rows"]]
+    return lines
 
 
 def markdown(result: dict) -> list[str]:
