@@ -173,3 +173,33 @@ def test_torch_compile_run_and_capture_fallback(tmp_path, tracking_uri):
         for d in ("compiled", "fallback")
     ]
     assert tokens[0] == tokens[1]
+
+
+def test_text_queries_with_a_local_tokenizer(tmp_path, tracking_uri):
+    """A checkpoint folder with weights and a tokenizer: text queries are tokenized with it; the
+    same queries without a tokenizer are a config error."""
+    from conftest import build_tiny
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "how", "big", "is", "the", "universe", "explain", "gravity", "?"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tmp_path / "checkpoint"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(folder)
+    model, _, _ = build_tiny("tiny_llama3_1_8b")
+    model.save_pretrained(folder)
+    queries = "prompt.queries=['how big is the universe ?',{prompt:'explain gravity'}]"
+    common = [
+        "model=tiny_llama3_1_8b",
+        "backend=torch-simple",
+        queries,
+        "prompt.output_len=3",
+        f"tracking.uri={tracking_uri}",
+    ]
+    proc = run_pipeline([*common, f"model.checkpoint={folder}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = json.loads((tmp_path / "run" / "generation" / "tokens.json").read_text())
+    assert [t["prompt_len"] for t in tokens] == [6, 2]  # word-level: "?" is a token
+    refused = run_pipeline(common, tmp_path / "refused")
+    assert refused.returncode == 2 and "no tokenizer is available offline" in refused.stderr

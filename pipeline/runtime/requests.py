@@ -111,5 +111,10 @@ def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Reques
             raise ConfigError(
                 f"request {seq_id} has {len(tokens)} prompt tokens > runtime.max_input_len={cfg.runtime.max_input_len}"
             )
+        if len(tokens) + prompt.output_len > cfg.runtime.max_seq_len:
+            raise ConfigError(
+                f"request {seq_id}: {len(tokens)} prompt + {prompt.output_len} output tokens > runtime.max_seq_len="
+                f"{cfg.runtime.max_seq_len}; shorten it or raise runtime.max_seq_len"
+            )
         requests.append(Request(seq_id, tokens, images))
     return requests
