@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_MODELS
 from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
 from pipeline.backends.compile import compile_module
+from pipeline.models import zoo
 from pipeline.runtime.sampling import SamplingParams
 
 
@@ -64,13 +66,23 @@ def engine_runtime(name):
 
 
 @pytest.mark.slow
-def test_torch_compile_keeps_tokens():
-    engine, hf_config = _engine("tiny_mistral3")
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_torch_compile_keeps_tokens(name):
+    """The runtime parity test with the captured graph compiled (Inductor, dynamic shapes)."""
+    engine, hf_config = _engine(name)
     compile_module(engine.runner.graph)
-    requests = _requests(hf_config, [5, 9, 13], images=True)
-    assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(
-        "tiny_mistral3", requests, 6
-    )
+    requests = _requests(hf_config, [5, 9, 13], images=zoo.is_vlm(hf_config))
+    tokens = engine.generate(requests, 6, SamplingParams(), seed=0).tokens
+    assert tokens == _hf_generate(name, requests, 6)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_whole_eager_model_with_capture_none():
+    engine, hf_config = _engine("tiny_llama3_1_8b", capture="none")
+    compile_module(engine.runner.model)
+    requests = _requests(hf_config, [7, 7], images=False)
+    tokens = engine.generate(requests, 5, SamplingParams(), seed=0).tokens
+    assert tokens == _hf_generate("tiny_llama3_1_8b", requests, 5)
 
 
 @pytest.mark.cuda
