@@ -55,12 +55,15 @@ def _job(cfg: DictConfig) -> None:
 
     check_queries(cfg.prompt.queries, has_tokenizer(cfg.model.checkpoint))
     hf_config = zoo.build_hf_config(cfg.model)
-    zoo.resolve_model_class(cfg.model, hf_config)
+    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
     if cfg.dry_run:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return
-    from pipeline.runner import Runner
+    from pipeline.models.memory import check_fits
+    from pipeline.runner import Runner, resolve_device, resolve_dtype
 
+    device = resolve_device(cfg.device)
+    check_fits(model_cls, hf_config, cfg.runtime, cfg.model.name, resolve_dtype(cfg.dtype, device), device)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     Runner(cfg, run_dir, hf_config).run()
     log.info("run folder: %s", run_dir)

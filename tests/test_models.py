@@ -153,3 +153,18 @@ def test_checkpoint_loads_local_safetensors(tmp_path):
         assert torch.equal(a, b), name
     with torch.no_grad():
         assert torch.equal(model(**examples.text).logits, loaded(**examples.text).logits)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading(monkeypatch):
+    from pipeline.errors import ConfigError
+    from pipeline.models import memory
+
+    cfg = compose_cfg(["model=llama4_scout"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10**9)
+    with pytest.raises(ConfigError, match=r"7\.3\d B parameters in float32.*use dtype=bfloat16"):
+        memory.check_fits(
+            model_cls, hf_config, cfg.runtime, "llama4_scout", torch.float32, torch.device("cpu")
+        )
+    memory.check_fits(model_cls, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device("cpu"))

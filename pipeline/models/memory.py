@@ -1,0 +1,55 @@
+"""Will the model fit? Parameters counted on the meta device (no memory), bytes at the run's dtype,
+plus the default KV cache, against what the device has free: refused before loading, with the
+estimate and what would fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import ConfigError
+
+HEADROOM = 1.1  # activations, the transient copy when GEMMs are fused, allocator slack
+
+
+def free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def count_parameters(model_cls: type, hf_config) -> int:
+    # Everything on meta, buffers too: only shapes are needed, so nothing is allocated.
+    with torch.device("meta"):
+        model = model_cls._from_config(hf_config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def kv_cache_bytes(hf_config, cfg_runtime, dtype: torch.dtype) -> int:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if cfg_runtime.get("kv_cache_mb"):
+        return int(cfg_runtime.kv_cache_mb * 2**20)
+    tokens = cfg_runtime.max_batch_size * cfg_runtime.max_seq_len
+    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
+
+
+def check_fits(model_cls: type, hf_config, cfg_runtime, model_name: str, dtype: torch.dtype, device) -> None:
+    params = count_parameters(model_cls, hf_config)
+    need = (params * dtype.itemsize + kv_cache_bytes(hf_config, cfg_runtime, dtype)) * HEADROOM
+    free = free_bytes(device)
+    if need > free:
+        half = (params * 2 + kv_cache_bytes(hf_config, cfg_runtime, torch.bfloat16)) * HEADROOM
+        hint = (
+            f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
+            if dtype.itemsize > 2 and half <= free
+            else ("fewer layers (model.model_kwargs...num_hidden_layers) or a smaller runtime.kv_cache_mb")
+        )
+        raise ConfigError(
+            f"model={model_name} needs about {need / 1e9:.1f} GB ({params / 1e9:.2f} B parameters in "
+            f"{str(dtype).removeprefix('torch.')} + KV cache), and {device.type} has {free / 1e9:.1f} GB free; use {hint}"
+        )
