@@ -13,7 +13,7 @@ import flashinfer
 import torch
 from torch import Tensor
 
-from pipeline.attention.torch_backend import token_positions, write_cache
+from pipeline.attention.common import register
 
 _WORKSPACE: dict[torch.device, Tensor] = {}
 _WORKSPACE_BYTES = 128 * 2**20
@@ -36,51 +36,23 @@ def csr_pages(page_table: Tensor, total: Tensor, page_size: int) -> tuple[Tensor
     return indptr, indices, last
 
 
-@torch.library.custom_op("pipeline::cached_attention_flashinfer", mutates_args=("kv_cache",))
-def cached_attention_flashinfer(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_cache: Tensor,
-    qo_indptr: Tensor,
-    cache_lens: Tensor,
-    page_table: Tensor,
-    scale: float,
-    window: int,
-    chunk: int,
-) -> Tensor:
-    """Same contract as `pipeline::cached_attention` (torch_backend.py)."""
+def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, scale, window, chunk):
+    """q: [T, H, D] -> [T, H, D]: flashinfer's paged prefill/append, planned for this batch."""
     if chunk > 0:
         raise NotImplementedError(
             "attention=flashinfer has no chunked attention (Llama-4); use attention=triton"
         )
-    shape = q.shape  # [N, H, S, D]
-    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v))  # [T, H, D]
-    seq, _, pos = token_positions(qo_indptr.long(), cache_lens.long(), q.shape[0])
-    write_cache(kv_cache, k, v, page_table.long(), seq, pos)
     page_size = kv_cache.shape[2]
     total = cache_lens + (qo_indptr[1:] - qo_indptr[:-1])
     kv_indptr, kv_indices, last_page_len = csr_pages(page_table, total, page_size)
     wrapper = _wrapper(q.device)
     wrapper.plan(
-        qo_indptr.to(torch.int32),
-        kv_indptr,
-        kv_indices,
-        last_page_len,
-        q.shape[1],
-        kv_cache.shape[3],
-        q.shape[2],
-        page_size,
-        causal=True,
-        sm_scale=scale,
-        window_left=window - 1 if window > 0 else -1,
-        q_data_type=q.dtype,
-        kv_data_type=kv_cache.dtype,
-    )
-    out = wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))  # [T, H, D]
-    return out.reshape(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2).contiguous()
+        qo_indptr.to(torch.int32), kv_indptr, kv_indices, last_page_len,
+        q.shape[1], kv_cache.shape[3], q.shape[2], page_size,
+        causal=True, sm_scale=scale, window_left=window - 1 if window > 0 else -1,
+        q_data_type=q.dtype, kv_data_type=kv_cache.dtype,
+    )  # fmt: skip
+    return wrapper.run(q, (kv_cache[0], kv_cache[1]))
 
 
-@cached_attention_flashinfer.register_fake
-def _fake(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, scale, window, chunk):
-    return q.new_empty(q.shape)  # contiguous, as the kernel returns
+cached_attention_flashinfer = register("cached_attention_flashinfer", attend)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from pipeline.attention.torch_backend import token_positions, write_cache
+from pipeline.attention.common import register
 
 BLOCK_N = 16  # keys per step of the walk
 
@@ -82,56 +81,22 @@ def _paged_attention_kernel(
     tl.store(OUT + t * stride_ot + h * stride_oh + d, (acc / l_i).to(OUT.dtype.element_ty))
 
 
-@torch.library.custom_op("pipeline::cached_attention_triton", mutates_args=("kv_cache",))
-def cached_attention_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_cache: Tensor,
-    qo_indptr: Tensor,
-    cache_lens: Tensor,
-    page_table: Tensor,
-    scale: float,
-    window: int,
-    chunk: int,
-) -> Tensor:
-    """Same contract as `pipeline::cached_attention` (torch_backend.py)."""
-    shape = q.shape  # [N, H, S, D]
-    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v))  # [T, H, D]
-    seq, _, pos = token_positions(qo_indptr.long(), cache_lens.long(), q.shape[0])
-    write_cache(kv_cache, k, v, page_table.long(), seq, pos)
-    q = q.contiguous()
+def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, scale, window, chunk):
+    """q: [T, H, D] -> [T, H, D]: the kernel, one program per (token, head)."""
     out = torch.empty_like(q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
     table = page_table.to(torch.int32).contiguous()
     _paged_attention_kernel[(q.shape[0], heads)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        seq.to(torch.int32),
-        pos.to(torch.int32),
-        table,
-        scale,
-        window,
-        chunk,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        q, k_cache, v_cache, out, seq.to(torch.int32), pos.to(torch.int32), table,
+        scale, window, chunk,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=heads // kv_heads,
-        PAGE=kv_cache.shape[2],
-        D=dim,
-        BLOCK=BLOCK_N,
-    )
-    return out.reshape(shape[0], shape[2], heads, dim).transpose(1, 2).contiguous()
+        out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, PAGE=kv_cache.shape[2], D=dim, BLOCK=BLOCK_N,
+    )  # fmt: skip
+    return out
 
 
-@cached_attention_triton.register_fake
-def _cached_attention_triton_fake(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, scale, window, chunk):
-    return q.new_empty(q.shape)  # contiguous, as the kernel returns
+cached_attention_triton = register("cached_attention_triton", attend)
