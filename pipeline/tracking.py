@@ -80,7 +80,7 @@ class Tracker:
 
     def _offline(self, what: str, exc: BaseException) -> None:
         reason = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if self.client is not None or not self.unlogged:
+        if not self.unlogged:  # once: every later call is already local-only
             log.warning(
                 "MLflow tracking at %s failed (%s); the run continues with local outputs only in %s",
                 self.uri,

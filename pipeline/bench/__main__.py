@@ -85,7 +85,7 @@ def bench_export(name: str, repeats: int) -> dict:
         graph_capture.find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
     )
     recorded = (
-        graph_capture.record_calls(model, paths, call)[0]
+        graph_capture.record_calls(model, paths, call)
         if examples.image
         else {"": graph_capture.RecordedCall(dict(call))}
     )

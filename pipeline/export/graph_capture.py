@@ -165,7 +165,7 @@ def record_calls(
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            output = model(**call)
+            model(**call)
     finally:
         for handle in handles:
             handle.remove()
@@ -174,7 +174,7 @@ def record_calls(
         raise ExportError(
             f"submodule(s) {', '.join(missing)} did not run in the model's forward; check capture.submodules"
         )
-    return recorded, output
+    return recorded
 
 
 def dynamic_shape_spec(
@@ -338,7 +338,7 @@ def capture(
     if paths == [""]:
         recorded = {"": RecordedCall(dict(call))}
     else:
-        recorded, _ = record_calls(model, paths, call)
+        recorded = record_calls(model, paths, call)
     batch, seq = call["input_ids"].shape
     captured = []
     for path in paths:

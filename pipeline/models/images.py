@@ -50,13 +50,15 @@ def synthetic_image(size: int, generator: torch.Generator) -> Image.Image:
     return Image.fromarray(pixels.numpy())
 
 
-def _mistral3(config, images: list[Image.Image]) -> ImageBatch:
+def _processor_class(name: str) -> type:
+    """The PIL flavour where this transformers has one: the default asks for torchvision."""
     import transformers
 
-    # The PIL flavour where transformers has one: the default asks for torchvision.
-    processor_cls = (
-        getattr(transformers, "PixtralImageProcessorPil", None) or transformers.PixtralImageProcessor
-    )
+    return getattr(transformers, f"{name}Pil", None) or getattr(transformers, name)
+
+
+def _mistral3(config, images: list[Image.Image]) -> ImageBatch:
+    processor_cls = _processor_class("PixtralImageProcessor")
     vision = config.vision_config
     step = vision.patch_size * config.spatial_merge_size
     processor = processor_cls(
@@ -69,11 +71,7 @@ def _mistral3(config, images: list[Image.Image]) -> ImageBatch:
 
 
 def _qwen2_5_vl(config, images: list[Image.Image]) -> ImageBatch:
-    import transformers
-
-    processor_cls = (
-        getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
-    )
+    processor_cls = _processor_class("Qwen2VLImageProcessor")
     vision = config.vision_config
     step = vision.patch_size * vision.spatial_merge_size
     processor = processor_cls(

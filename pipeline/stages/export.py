@@ -4,14 +4,11 @@ and check that the partly captured model still computes what the eager model com
 from __future__ import annotations
 
 import json
-import logging
 
 from pipeline import correctness
 from pipeline.errors import StageFailure, short_cause
 from pipeline.export import graph_capture
 from pipeline.state import RunState, StageResult
-
-log = logging.getLogger(__name__)
 
 
 def _targets(state: RunState) -> tuple[list[str], list[str]]:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 from pipeline.export.graph_capture import find_language_models
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.state import ModelInfo, RunState, StageResult
-
-log = logging.getLogger(__name__)
 
 EXAMPLE_BATCH = 2  # export needs a batch > 1 to keep the batch dim dynamic
 
