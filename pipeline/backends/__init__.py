@@ -5,3 +5,46 @@ torch-simple runs the graph as exported and transformed; torch-compile compiles 
 (CUDAGraphRunner); torch-opt compiles, then captures the compiled graph. With capture=none there
 is no subgraph: torch-simple runs the eager model and torch-compile compiles the whole eager model.
 """
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipeline.backends import cudagraph
+from pipeline.backends.compile import compile_module
+
+
+class NoCachedGraph(ValueError):
+    """A CUDA-graph backend needs a cached graph: decode steps are what it captures."""
+
+
+def apply(
+    backend: str,
+    targets: list[tuple[str, nn.Module]],
+    cfg_runtime,
+    buckets: list[int] | None,
+    on_cuda: bool,
+) -> dict[str, cudagraph.CUDAGraphRunner]:
+    """Put `backend` on each target module (a captured graph, or the eager model with capture=none);
+    returns the CUDA graph runners installed, by target name. torch-simple changes nothing."""
+    runners = {}
+    if backend in ("torch-compile", "torch-opt"):
+        for _, target in targets:
+            compile_module(target)
+    if backend in ("torch-cudagraph", "torch-opt"):
+        cached = [(name, g) for name, g in targets if hasattr(g, "cache_specs")]
+        if not cached:
+            raise NoCachedGraph(
+                f"backend={backend} captures decode steps of a cached graph, and there is none: "
+                "enable transforms.insert_cached_attention"
+            )
+        for name, graph in cached:
+            runners[name] = cudagraph.install(graph, cfg_runtime, buckets, use_graphs=on_cuda)
+    return runners
+
+
+def remove(targets: list[tuple[str, nn.Module]]) -> None:
+    """Undo `apply`: each target's class forward shows again, and its CUDA graph runner goes."""
+    for _, target in targets:
+        target.__dict__.pop("forward", None)
+        target._modules.pop("cuda_graph_runner", None)

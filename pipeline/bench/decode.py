@@ -47,19 +47,33 @@ def _decode_bytes(model: torch.nn.Module, lm_path: str) -> int:
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def _hf_step_s(model, prompts: torch.Tensor, steps: int, repeats: int) -> float:
-    """HF generate: (time for 1 + steps tokens - time for 1 token) / steps, median over repeats."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
+    """HF generate: (decode step, prefill) in seconds. A step is (time for 1 + steps tokens - time
+    for 1 token) / steps; prefill is the time for 1 token. Medians over repeats after a warm-up."""
 
     def timed(new_tokens: int) -> float:
+        _sync(prompts.device)
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(
                 input_ids=prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
             )
+        _sync(prompts.device)
         return time.perf_counter() - start
 
-    timed(2)  # warm-up
-    return statistics.median((timed(1 + steps) - timed(1)) / steps for _ in range(repeats))
+    for _ in range(2):  # warm-up at the timed lengths: a static cache's length is the generated length
+        timed(1 + steps)
+        timed(1)
+    pairs = [(timed(1 + steps), timed(1)) for _ in range(repeats)]
+    return (
+        statistics.median((full - one) / steps for full, one in pairs),
+        statistics.median(one for _, one in pairs),
+    )
 
 
 def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, repeats: int) -> dict:
@@ -76,7 +90,7 @@ def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, rep
         for b in batches
     }
 
-    hf = {b: _hf_step_s(model, prompts[b], steps, repeats) for b in batches}
+    hf = {b: _hf_times(model, prompts[b], steps, repeats)[0] for b in batches}
 
     examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
     model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
@@ -121,56 +135,107 @@ def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats:
     )
 
 
-def bench_backends(name: str, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
-    """Per backend, same weights and batch: HF eager, HF static cache + torch.compile, demollm
-    with torch-simple and torch-compile."""
-    from pipeline.backends.compile import compile_module
+def _hf_compiled_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
+    """Hugging Face's own recipe: a static cache and torch.compile of the forward (with CUDA graphs,
+    mode reduce-overhead, on a GPU)."""
+    mode = "reduce-overhead" if prompts.device.type == "cuda" else None
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode=mode)
+    try:
+        return _hf_times(model, prompts, steps, repeats)
+    finally:
+        del model.forward
+        model.generation_config.cache_implementation = None
+
+
+def bench_backends(
+    name: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    backends: list[str],
+) -> dict:
+    """Per runner, same weights and batch, one process: HF eager, HF static cache + torch.compile,
+    and demollm with each backend. A runner that fails is a row with its error, not a lost table."""
+    import torch._dynamo
+
+    from pipeline import backends as capture_backends
+    from pipeline.errors import short_cause
+    from pipeline.transforms.registry import find_graphs
 
     cfg = compose([f"model={name}"])
     hf_config = zoo.build_hf_config(cfg.model)
     model, _ = build.build_random(
-        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), seed=0
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, dtype, device, seed=0
     )
     text_config = zoo.text_config_of(hf_config)
     generator = torch.Generator().manual_seed(0)
     prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
-    rows = {"HF eager generate": _hf_step_s(model, prompts, steps, repeats)}
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward)
-    rows["HF static cache + torch.compile"] = _hf_step_s(model, prompts, steps, repeats)
-    del model.forward
-    model.generation_config.cache_implementation = None
+    prompts = prompts.to(device)
+    rows = []
+
+    def measure(runner: str, times) -> None:
+        torch._dynamo.reset()  # each compiled runner starts from nothing
+        try:
+            decode_s, prefill_s = times()
+        except Exception as exc:  # recorded in the table: one broken runner must not hide the others
+            rows.append({"runner": runner, "error": short_cause(exc)})
+            return
+        rows.append({"runner": runner, "decode_ms": 1000 * decode_s, "prefill_ms": 1000 * prefill_s})
+
+    measure("HF eager generate", lambda: _hf_times(model, prompts, steps, repeats))
+    measure("HF static cache + torch.compile", lambda: _hf_compiled_times(model, prompts, steps, repeats))
 
     lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
+    examples = make_example_inputs(hf_config, 2, None, dtype, device, seed=0)
     model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
     registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
-    engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())
-    rows["demollm torch-simple"], _ = _demollm_step_s(engine, prompts, steps, repeats)
-    compile_module(engine.runner.graph)
-    rows["demollm torch-compile"], _ = _demollm_step_s(engine, prompts, steps, repeats)
-    eager = rows["HF eager generate"]
+    engine = DemoLLM(model, hf_config, cfg.runtime, device, eos_ids=set())  # no early stop
+    targets = find_graphs(model)
+
+    def demollm_times(backend: str) -> tuple[float, float]:
+        capture_backends.apply(backend, targets, cfg.runtime, None, on_cuda=device.type == "cuda")
+        try:
+            return _demollm_step_s(engine, prompts.cpu(), steps, repeats)
+        finally:
+            capture_backends.remove(targets)
+
+    for backend in backends:
+        measure(f"demollm {backend}", lambda b=backend: demollm_times(b))
+    eager = rows[0].get("decode_ms")
+    for row in rows:
+        if eager and "decode_ms" in row:
+            row["vs_hf_eager"] = row["decode_ms"] / eager
     return {
         "model": name,
         "batch": batch,
         "prompt_len": prompt_len,
         "steps": steps,
-        "rows": [{"runner": k, "decode_ms": 1000 * v, "vs_hf_eager": v / eager} for k, v in rows.items()],
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
     }
 
 
-def backends_markdown(result: dict) -> list[str]:
+def backends_markdown(result: dict, target: str) -> list[str]:
     lines = [
-        f"## Decode per backend, `model={result['model']}` (float32, CPU, batch {result['batch']}, "
-        f"prompt {result['prompt_len']} tokens)",
+        f"## Decode per backend, `model={result['model']}` ({result['dtype']}, {result['device']}, "
+        f"batch {result['batch']}, prompt {result['prompt_len']} tokens)",
         "",
-        "Same weights and batch, one process; median step after a warm-up. Target for torch-compile on "
-        "CPU: at most 0.5x Hugging Face eager.",
+        f"Same weights and batch, one process; median over repeats after a warm-up. Target: {target}.",
         "",
-        "| runner | decode ms/step | x HF eager |",
-        "|---|---|---|",
+        "| runner | decode ms/step | x HF eager | prefill ms |",
+        "|---|---|---|---|",
     ]
-    lines += [f"| {r['runner']} | {r['decode_ms']:.2f} | {r['vs_hf_eager']:.2f} |" for r in result["rows"]]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['runner']} | failed: {r['error']} | - | - |")
+        else:
+            ratio = f"{r['vs_hf_eager']:.2f}" if "vs_hf_eager" in r else "-"
+            lines.append(f"| {r['runner']} | {r['decode_ms']:.2f} | {ratio} | {r['prefill_ms']:.1f} |")
     return lines
 
 

@@ -7,44 +7,12 @@ import time
 
 from torch import nn
 
-from pipeline import correctness
-from pipeline.backends import cudagraph
-from pipeline.backends.compile import compile_module, compiled_frames
+from pipeline import backends, correctness
+from pipeline.backends.compile import compiled_frames
 from pipeline.errors import StageFailure, short_cause
 from pipeline.faults import maybe_fail
 from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import find_graphs
-
-
-def _apply(state: RunState, targets: list[tuple[str, nn.Module]], result: StageResult) -> None:
-    backend = state.backend
-    if backend in ("torch-compile", "torch-opt"):
-        for _, target in targets:
-            compile_module(target)
-    if backend in ("torch-cudagraph", "torch-opt"):
-        cached = [(name, g) for name, g in targets if hasattr(g, "cache_specs")]
-        if not cached:
-            raise StageFailure(
-                f"backend={backend} captures decode steps of a cached graph, and there is none: "
-                "enable transforms.insert_cached_attention"
-            )
-        for name, graph in cached:
-            runner = cudagraph.install(
-                graph,
-                state.cfg.runtime,
-                state.cfg.backend.cuda_graph_batch_sizes,
-                state.device.type == "cuda",
-            )
-            result.notes.append(
-                f"'{name}': CUDA graphs for decode buckets {runner.buckets}; prefill runs uncaptured"
-            )
-            result.metrics["capture/buckets"] = len(runner.buckets)
-
-
-def _undo(targets: list[tuple[str, nn.Module]]) -> None:
-    for _, target in targets:
-        target.__dict__.pop("forward", None)  # the class's forward shows again
-        target._modules.pop("cuda_graph_runner", None)
 
 
 def run(state: RunState) -> StageResult:
@@ -60,7 +28,18 @@ def run(state: RunState) -> StageResult:
     frames = compiled_frames()
     start = time.perf_counter()
     try:
-        _apply(state, targets, result)
+        runners = backends.apply(
+            state.backend,
+            targets,
+            state.cfg.runtime,
+            state.cfg.backend.cuda_graph_batch_sizes,
+            on_cuda=state.device.type == "cuda",
+        )
+        for name, runner in runners.items():
+            result.notes.append(
+                f"'{name}': CUDA graphs for decode buckets {runner.buckets}; prefill runs uncaptured"
+            )
+            result.metrics["capture/buckets"] = len(runner.buckets)
         maybe_fail("capture")
         # The first calls compile (and warm up); the check is against the eager reference.
         checks = correctness.check(state, "capture", result)
@@ -70,7 +49,7 @@ def run(state: RunState) -> StageResult:
         cause = short_cause(exc)
         if state.cfg.backend.fallback != "eager":
             raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
-        _undo(targets)
+        backends.remove(targets)
         result.tags["capture_fallback"] = "true"
         result.notes.append(
             f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"

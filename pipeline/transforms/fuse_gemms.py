@@ -98,7 +98,9 @@ class FuseGemms(Transform):
             parts = [gm.graph.call_function(operator.getitem, (split, i)) for i in range(len(linears))]
         gemm.meta["nn_module_stack"] = stack
         split.meta["nn_module_stack"] = stack
-        value = fake_value(aten.linear.default, x, fused)
+        # The fused output is the parts side by side. (Running aten.linear on the fake input
+        # decomposes to matmul, which calls numel() on symbolic sizes under torch 2.11.)
+        value = fake_value(lambda *outs: torch.cat(outs, dim=-1), *linears)  # [..., sum N_i]
         if value is not None:
             gemm.meta["val"] = value
         for linear, part in zip(linears, parts, strict=True):
