@@ -23,8 +23,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# A ready example: every capture mode x two CPU backends on a tiny VLM (capture=full fails, by design).
 sweep: setup
-	$(PY) -m pipeline -m model=tiny_mistral3 capture=none,full,partial $(ARGS)
+	$(PY) -m pipeline -m model=tiny_mistral3 capture=none,full,partial backend=torch-simple,torch-compile $(ARGS)
 
 bench: setup
 	$(PY) -m pipeline.bench $(ARGS)

@@ -18,8 +18,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipeline import sweep
 from pipeline.config import register_schemas, validate
 from pipeline.errors import ConfigError, RunFailed
+from pipeline.sweep import record_job_failure
 
 log = logging.getLogger("pipeline")
 
@@ -32,15 +34,36 @@ def _cuda_available() -> bool:
 
 def job(cfg: DictConfig) -> None:
     """One Hydra job. In a single run, errors end the process here with their one line and exit
-    code; in a multirun they are raised so Hydra records the job as failed and runs the next."""
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        _job(cfg)
-        return
+    code. In a multirun a failed job is recorded (its summary.json) and the sweep goes on to the
+    next job and, at the end, to the comparison; the process then exits 1 if any job failed."""
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         _job(cfg)
     except (ConfigError, RunFailed) as exc:
+        if multirun:
+            log.error("job failed: %s", exc)
+            _record_failure(cfg, exc)
+            return
         print(f"{'config error' if isinstance(exc, ConfigError) else 'run failed'}: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        if not multirun:
+            raise
+        log.exception("job failed")
+        _record_failure(cfg, exc)
+
+
+def _job_name(hydra_cfg) -> str | None:
+    """A sweep's job is named by the values it sweeps, so children read apart in the MLflow UI."""
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return sweep.job_name(list(hydra_cfg.overrides.task)) or hydra_cfg.job.override_dirname or None
+
+
+def _record_failure(cfg: DictConfig, exc: BaseException) -> None:
+    hydra_cfg = HydraConfig.get()
+    folder = Path(hydra_cfg.runtime.output_dir)
+    record_job_failure(cfg, folder, _job_name(hydra_cfg) or folder.name, exc)
 
 
 def _job(cfg: DictConfig) -> None:
@@ -64,8 +87,9 @@ def _job(cfg: DictConfig) -> None:
 
     device = resolve_device(cfg.device)
     check_fits(model_cls, hf_config, cfg.runtime, cfg.model.name, resolve_dtype(cfg.dtype, device), device)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    Runner(cfg, run_dir, hf_config).run()
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    Runner(cfg, run_dir, hf_config, _job_name(hydra_cfg)).run()
     log.info("run folder: %s", run_dir)
 
 
@@ -95,6 +119,9 @@ def main() -> None:
     register_schemas()
     try:
         hydra_job()
+        if failed := sweep.FAILED_JOBS:
+            print(f"sweep: {len(failed)} job(s) failed: {'; '.join(failed)}", file=sys.stderr)
+            sys.exit(1)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

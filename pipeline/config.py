@@ -85,7 +85,20 @@ class PromptConfig:
 
 @dataclass
 class ProfileConfig:
-    decode_steps: int = 8
+    enabled: bool = True
+    decode_steps: int = 8  # one profiling window each, after the prefill window
+    # category -> regex over kernel names (ATen op names on CPU); first match wins, else "other"
+    kernel_categories: dict[str, str] = field(default_factory=dict)
+    table_depth: int | None = 4  # printed tables: deepest level shown (None: all)
+    table_top_k: int | None = 8  # printed tables: largest children shown per node (None: all)
+
+
+@dataclass
+class ReportConfig:
+    enabled: bool = True
+    formats: list[str] = field(default_factory=lambda: ["png"])  # png always; add pdf or svg
+    top_k: int = 8  # parts per plot; the rest are "others"
+    depth: int | None = None  # module plot: module depth; None: decoder-layer children + the rest
 
 
 @dataclass
@@ -111,6 +124,7 @@ class PipelineConfig:
     transforms: dict[str, Any] = field(default_factory=dict)  # name -> options; see pipeline.transforms
     prompt: PromptConfig = field(default_factory=PromptConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     device: str = "auto"
@@ -209,6 +223,20 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     for key in ("batch_size", "prompt_len", "output_len"):
         _positive(f"prompt.{key}", prompt[key])
     _positive("profile.decode_steps", cfg.profile.decode_steps)
+    for key in ("table_depth", "table_top_k"):
+        if cfg.profile[key] is not None:
+            _positive(f"profile.{key}", cfg.profile[key])
+    _positive("report.top_k", cfg.report.top_k)
+    if cfg.report.depth is not None:
+        _positive("report.depth", cfg.report.depth)
+    if "png" not in cfg.report.formats or not set(cfg.report.formats) <= {"png", "pdf", "svg"}:
+        raise ConfigError(
+            f"report.formats={list(cfg.report.formats)}: list png and optionally pdf or svg, e.g. [png,pdf]"
+        )
+    from pipeline.profiler.categories import check as check_categories
+
+    if bad := check_categories(cfg.profile.kernel_categories):
+        raise ConfigError(f"profile.kernel_categories.{bad}: fix the regular expression")
     if prompt.image_size is not None:
         _positive("prompt.image_size", prompt.image_size)
     for index, path in enumerate(prompt.images or []):

@@ -7,7 +7,9 @@ written so far stays. An interrupt ends the run KILLED.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -18,19 +20,24 @@ from omegaconf import DictConfig
 
 from pipeline.config import resolve_attention, resolve_backend
 from pipeline.errors import RunFailed, short_cause
-from pipeline.stages import capture, export, generate, load, transforms
-from pipeline.state import RunState, StageResult
+from pipeline.report.run_report import headline, metrics_of
+from pipeline.stages import capture, export, generate, load, profile, report, transforms
+from pipeline.state import RunState, StageRecord, StageResult
+from pipeline.sweep import SUMMARY_FILE, SWEEP_PARENT_ENV
 from pipeline.tracking import Tracker, flatten_params, git_commit
 
 log = logging.getLogger(__name__)
 
-# The order of the pipeline; later issues add profile and report.
+
+# The order of the pipeline.
 STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
     ("load", load.run),
     ("export", export.run),
     ("transforms", transforms.run),
     ("capture", capture.run),
     ("generate", generate.run),
+    ("profile", profile.run),
+    ("report", report.run),
 ]
 
 
@@ -51,7 +58,9 @@ def run_name(cfg: DictConfig) -> str:
 
 
 class Runner:
-    def __init__(self, cfg: DictConfig, run_dir: Path, hf_config):
+    def __init__(self, cfg: DictConfig, run_dir: Path, hf_config, name: str | None = None):
+        """name: the MLflow run name (a sweep passes the job's overrides); default from the config."""
+        self.name = name or run_name(cfg)
         device = resolve_device(cfg.device)
         self.state = RunState(
             cfg=cfg,
@@ -82,7 +91,10 @@ class Runner:
     def run(self) -> RunState:
         state = self.state
         (state.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.tracker.start(run_name(state.cfg), self._tags(), flatten_params(state.cfg))
+        tags = self._tags()
+        if parent := os.environ.get(SWEEP_PARENT_ENV):  # a job of a sweep: a child of its parent run
+            tags["mlflow.parentRunId"] = parent
+        self.tracker.start(self.name, tags, flatten_params(state.cfg))
         self.tracker.log_artifact(state.run_dir / ".hydra")
         start = time.perf_counter()
         for name, stage in STAGES:
@@ -91,15 +103,29 @@ class Runner:
             try:
                 result = stage(state)
             except KeyboardInterrupt:
+                state.stages.append(
+                    StageRecord(name, "killed", time.perf_counter() - t0, cause="interrupted")
+                )
                 self._fail(name, "interrupted", status="KILLED")
                 raise
             except Exception as exc:
                 cause = short_cause(exc)
                 (state.run_dir / "logs" / f"{name}_traceback.txt").write_text(traceback.format_exc())
                 log.error("[%s] FAILED after %.1f s: %s", name, time.perf_counter() - t0, cause)
+                state.stages.append(StageRecord(name, "failed", time.perf_counter() - t0, cause=cause))
                 self._fail(name, cause, status="FAILED")
                 raise RunFailed(name, cause) from exc
             seconds = time.perf_counter() - t0
+            state.stages.append(
+                StageRecord(
+                    name,
+                    "done",
+                    seconds,
+                    result.notes,
+                    {f"time/{name}_s": seconds, **result.metrics},
+                    result.tags,
+                )
+            )
             for note in result.notes:
                 log.info("[%s] %s", name, note)
             log.info("[%s] done in %.1f s", name, seconds)
@@ -107,18 +133,43 @@ class Runner:
             self.tracker.set_tags(result.tags)
             for path in result.artifacts:
                 self.tracker.log_artifact(path)
+            for key, path in result.images.items():
+                self.tracker.log_image(key, path)
         self.tracker.log_metrics({"time/total_s": time.perf_counter() - start})
+        for line in headline(state, state.run_dir / "report" / "report.html"):
+            log.info("summary: %s", line)
         self._log_job_log()
         self.tracker.end("FINISHED")
+        self._write_summary("FINISHED")
         return state
 
     def _fail(self, stage: str, cause: str, status: str) -> None:
         self.tracker.set_tags({"failed_stage": stage, "error": cause})
-        self.tracker.log_artifact(self.state.run_dir / "logs")
-        for folder in ("export", "transforms", "generation"):  # whatever the stages wrote before the failure
+        written = report.write_for_failure(self.state)
+        # Whatever the stages wrote before the failure, and the report of it.
+        for folder in ("logs", "export", "transforms", "generation", "profile", "traces"):
             self.tracker.log_artifact(self.state.run_dir / folder)
+        for path in written:
+            self.tracker.log_artifact(path)
+        report_page = self.state.run_dir / "report" / "report.html" if written else None
+        for line in headline(self.state, report_page):
+            log.info("summary: %s", line)
         self._log_job_log()
         self.tracker.end(status)
+        self._write_summary(status, stage, cause)
+
+    def _write_summary(self, status: str, stage: str = "", cause: str = "") -> None:
+        """summary.json in the run folder: what a sweep's comparison reads, with or without MLflow."""
+        summary = {
+            "name": self.name,
+            "status": status,
+            "failed_stage": stage,
+            "error": cause,
+            "run_id": self.tracker.run_id,
+            "tags": self._tags(),
+            "metrics": metrics_of(self.state),
+        }
+        (self.state.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
 
     def _log_job_log(self) -> None:
         for handler in logging.getLogger().handlers:

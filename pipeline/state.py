@@ -45,6 +45,20 @@ class StageResult:
     artifacts: list[Path] = field(default_factory=list)  # files under the run folder
     notes: list[str] = field(default_factory=list)  # one line each, shown and logged
     tags: dict[str, str] = field(default_factory=dict)
+    images: dict[str, Path] = field(default_factory=dict)  # MLflow image key -> PNG (same key every run)
+
+
+@dataclass
+class StageRecord:
+    """What one stage did, kept for the report."""
+
+    name: str
+    status: str  # done | failed | killed
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    cause: str = ""
 
 
 @dataclass
@@ -65,5 +79,7 @@ class RunState:
     checks: list[CorrectnessCheck] = field(default_factory=list)
     transform_history: TransformHistory | None = None
     tokenizer: Any = None  # from a local checkpoint folder, when it has one
+    engine: Any = None  # pipeline.runtime.engine.DemoLLM built by generate, reused by profile
     generation: Any = None  # pipeline.runtime.engine.Generation of the last generate run
+    stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)

@@ -161,6 +161,18 @@ class Tracker:
         except Exception as exc:
             self._offline(f"artifact {path}", exc)
 
+    def log_image(self, key: str, path: Path) -> None:
+        """A PNG under a fixed key, so the UI's image charts line up the same plot across runs."""
+        if not self.active:
+            return
+        try:
+            from PIL import Image
+
+            with Image.open(path) as image:
+                self.client.log_image(self.run_id, image.convert("RGB"), key=key, step=0)
+        except Exception as exc:
+            self._offline(f"image {key}", exc)
+
     def end(self, status: str) -> None:
         """status: FINISHED, FAILED or KILLED."""
         if not self.active:

@@ -31,8 +31,12 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
             "16",
             "--small-model",
             "tiny_llama3_1_8b",
+            "--prefill-tokens",
+            "16,32",
             "--output",
             str(output),
+            "--plot",
+            str(tmp_path / "bench.png"),
         ],
         capture_output=True,
         text=True,
@@ -60,3 +64,10 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
         ]
         assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in backends["rows"]), backends["rows"]
         assert f"## Decode per backend, `model={backends['model']}`" in text
+    assert [r["tokens"] for r in results["prefill"]["rows"]] == [16, 32]
+    assert all(r["tflops"] > 0 and r["gemm_tflops"] > 0 for r in results["prefill"]["rows"])
+    run = results["run"]
+    assert run["status"] == "FINISHED" and run["stages"]["time/load_s"] > 0
+    assert run["profile"]["profile/overhead_ratio"] > 0
+    assert "## Whole run" in text and "## Prefill" in text
+    assert (tmp_path / "bench.png").stat().st_size > 10_000

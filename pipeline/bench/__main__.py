@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
-from pipeline.bench import decode
+from pipeline.bench import decode, pipeline_run, prefill
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
@@ -150,12 +150,64 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
     lines += ["", *decode.markdown(results["decode"])]
     for result in results["backends"]:
         lines += ["", *decode.backends_markdown(result, CPU_TARGET)]
+    lines += ["", *prefill.markdown(results["prefill"])]
+    lines += ["", *pipeline_run.markdown(results["run"])]
+    if results.get("plot"):
+        lines += ["", f"![benchmarks]({results['plot']})"]
     if gpu:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
 
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Decode per runner (x HF eager, per model) and the percent-of-limit rows, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    rows = [
+        {"model": b["model"], "runner": r["runner"], "x HF eager": r["vs_hf_eager"]}
+        for b in results["backends"]
+        for r in b["rows"]
+        if "vs_hf_eager" in r
+    ]
+    limits = (
+        [
+            {
+                "row": f"decode b{r['batch']} demollm",
+                "% of limit": 100 * r["demollm_gbs"] / results["decode"]["read_bandwidth_gbs"],
+            }
+            for r in results["decode"]["rows"]
+        ]
+        + [
+            {
+                "row": f"decode b{r['batch']} HF eager",
+                "% of limit": 100 * r["hf_gbs"] / results["decode"]["read_bandwidth_gbs"],
+            }
+            for r in results["decode"]["rows"]
+        ]
+        + [
+            {"row": f"prefill {r['tokens']}", "% of limit": r["pct_of_gemm"]}
+            for r in results["prefill"]["rows"]
+        ]
+    )
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    sns.barplot(pd.DataFrame(rows), y="runner", x="x HF eager", hue="model", ax=axes[0], orient="h")
+    axes[0].axvline(1.0, color="#333", linewidth=0.8)
+    axes[0].set_title("decode step time, x Hugging Face eager (lower is faster)")
+    sns.barplot(pd.DataFrame(limits), y="row", x="% of limit", ax=axes[1], orient="h", color="#4c72b0")
+    axes[1].set_title("% of the measured limit (read bandwidth; GEMM for prefill)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -176,7 +228,9 @@ def main() -> None:
         help="cuda: only the per-backend rows, in bfloat16, saved to BENCHMARKS.gpu.json and shown in "
         "BENCHMARKS.md by every later CPU run",
     )
+    parser.add_argument("--prefill-tokens", default="128,1024")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "outputs" / "readme" / "benchmarks.png")
     args = parser.parse_args()
     models = [args.small_model, args.model]
     if args.device == "cuda":
@@ -218,7 +272,17 @@ def main() -> None:
             )
             for name in models
         ],
+        "prefill": prefill.bench_prefill(
+            args.model, [int(t) for t in args.prefill_tokens.split(",")], args.repeats
+        ),
+        "run": pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"]),
     }
+    plot(results, args.plot)
+    results["plot"] = (
+        str(args.plot.relative_to(args.output.parent))
+        if args.plot.is_relative_to(args.output.parent)
+        else str(args.plot)
+    )
     gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
     args.output.write_text(markdown(args.model, results, gpu))
     args.output.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from pipeline.bench.limits import read_bandwidth_gbs
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
@@ -22,18 +23,6 @@ from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.transforms import registry
-
-
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """A large float32 reduction: bytes read / time, median after a warm-up."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def _decode_bytes(model: torch.nn.Module, lm_path: str) -> int:

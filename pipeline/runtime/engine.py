@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
 from pipeline.models.images import concat_pixels
+from pipeline.profiler.events import range_name
 from pipeline.runtime.kv_cache import PagedKVCache, pages_for
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams, sample
+
+
+def engine_span(part: str):
+    """A named range for the profiler: the engine's own work shows as `demollm.<part>` in the
+    module tree instead of unattributed (a no-op when no profiler runs)."""
+    return torch.profiler.record_function(range_name(f"demollm.{part}", "DemoLLM"))
 
 
 def _sync(device: torch.device) -> None:
@@ -54,6 +62,20 @@ class PagedRunner:
 
     def forward(self, requests: list[Request], new_tokens: list[list[int]], images: bool) -> torch.Tensor:
         """One step: each request's new tokens (its prompt in prefill, one token in decode) -> [B, V]."""
+        with engine_span("step_inputs"):
+            kwargs, last = self._step_inputs(requests, new_tokens, images)
+        with torch.no_grad():
+            logits = self.model(**kwargs).logits[0]  # [B or T, V]
+        with engine_span("step_outputs"):
+            for request, tokens in zip(requests, new_tokens, strict=True):
+                self.cache.commit(request.seq_id, len(tokens))
+            return logits if self.eager_lm_head else logits[last]
+
+    def _step_inputs(
+        self, requests: list[Request], new_tokens: list[list[int]], images: bool
+    ) -> tuple[dict, torch.Tensor]:
+        """The model's kwargs for one packed step, the graph's cache inputs set aside, and each
+        sequence's last token index in the packed row."""
         seq_ids = [r.seq_id for r in requests]
         for seq_id, tokens in zip(seq_ids, new_tokens, strict=True):
             self.cache.reserve(seq_id, len(tokens))
@@ -67,7 +89,7 @@ class PagedRunner:
         )
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=self.device)[None]  # [1, T]
         self.step_inputs = {**self.cache.tensors, **meta}
-        last = (meta["qo_indptr"][1:] - 1).long()  # each sequence's last new token in the packed row
+        last = (meta["qo_indptr"][1:] - 1).long()  # [B]
         kwargs = {
             "input_ids": ids,
             "position_ids": _positions(self.text_config, positions[None].to(self.device)),
@@ -77,11 +99,7 @@ class PagedRunner:
             kwargs.update(_images(requests))
         if self.eager_lm_head:
             kwargs["logits_to_keep"] = last  # HF's lm_head then runs on B rows, not T
-        with torch.no_grad():
-            logits = self.model(**kwargs).logits[0]  # [B or T, V]
-        for seq_id, n in zip(seq_ids, lengths, strict=True):
-            self.cache.commit(seq_id, n)
-        return logits if self.eager_lm_head else logits[last]
+        return kwargs, last
 
     def release(self, request: Request) -> None:
         self.cache.free(request.seq_id)
@@ -99,25 +117,26 @@ class EagerRunner:
         self.mask: torch.Tensor | None = None
 
     def forward(self, requests: list[Request], new_tokens: list[list[int]], images: bool) -> torch.Tensor:
-        width = max(len(t) for t in new_tokens)
-        ids = torch.tensor([[self.pad_id] * (width - len(t)) + t for t in new_tokens], device=self.device)
-        step_mask = torch.tensor(
-            [[0] * (width - len(t)) + [1] * len(t) for t in new_tokens], device=self.device
-        )
-        if images:  # prefill: a new batch
-            self.cache, self.mask = self.cache_cls(config=self.model.config), step_mask
-        else:
-            self.mask = torch.cat([self.mask, step_mask], dim=1)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-        kwargs = {
-            "input_ids": ids,
-            "attention_mask": self.mask,
-            "position_ids": positions,
-            "past_key_values": self.cache,
-            "use_cache": True,
-        }
-        if images:
-            kwargs.update(_images(requests))
+        with engine_span("step_inputs"):
+            width = max(len(t) for t in new_tokens)
+            ids = torch.tensor([[self.pad_id] * (width - len(t)) + t for t in new_tokens], device=self.device)
+            step_mask = torch.tensor(
+                [[0] * (width - len(t)) + [1] * len(t) for t in new_tokens], device=self.device
+            )
+            if images:  # prefill: a new batch
+                self.cache, self.mask = self.cache_cls(config=self.model.config), step_mask
+            else:
+                self.mask = torch.cat([self.mask, step_mask], dim=1)
+            positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+            kwargs = {
+                "input_ids": ids,
+                "attention_mask": self.mask,
+                "position_ids": positions,
+                "past_key_values": self.cache,
+                "use_cache": True,
+            }
+            if images:
+                kwargs.update(_images(requests))
         with torch.no_grad():
             return self.model(**kwargs).logits[:, -1]
 
@@ -175,17 +194,27 @@ class DemoLLM:
             self.runner = EagerRunner(model, pad, device)
 
     def generate(
-        self, requests: list[Request], max_new_tokens: int, params: SamplingParams, seed: int
+        self,
+        requests: list[Request],
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int,
+        after_step: Callable[[], None] | None = None,
     ) -> Generation:
+        """after_step runs after each step (prefill, then every decode step), outside its timing:
+        the profiler closes one window per step there."""
         generator = torch.Generator().manual_seed(seed)
         out: dict[int, list[int]] = {r.seq_id: [] for r in requests}
         eager = isinstance(self.runner, EagerRunner)
         _sync(self.device)
         start = time.perf_counter()
         logits = self.runner.forward(requests, [r.prompt for r in requests], images=True)
-        last = sample(logits, params, generator).tolist()
+        with engine_span("sample"):
+            last = sample(logits, params, generator).tolist()
         _sync(self.device)
         result = Generation(out, prefill_s=time.perf_counter() - start)
+        if after_step:
+            after_step()
         running = list(requests)
         while True:
             continuing = []
@@ -205,8 +234,11 @@ class DemoLLM:
             logits = self.runner.forward(batch, [[out[r.seq_id][-1]] for r in batch], images=False)
             if eager:
                 logits = logits[[requests.index(r) for r in continuing]]
-            last = sample(logits, params, generator).tolist()
+            with engine_span("sample"):
+                last = sample(logits, params, generator).tolist()
             _sync(self.device)
             result.decode_step_s.append(time.perf_counter() - start)
             result.decode_step_tokens.append(len(continuing))
+            if after_step:
+                after_step()
             running = continuing

@@ -39,7 +39,7 @@ def run(state: RunState) -> StageResult:
         engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)
     ]
     generation = runs[-1]
-    state.generation = generation
+    state.engine, state.generation = engine, generation
 
     folder = state.run_dir / "generation"
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,43 @@
+"""The machine's limits, measured in the same run as the rows that are compared with them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device | None = None) -> float:
+    """A large float32 reduction: bytes read / time, median after a warm-up."""
+    device = device or torch.device("cpu")
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """[m, k] @ [k, n] at the model's shapes: 2mkn FLOPs / median time."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * m * k * n / statistics.median(times) / 1e12

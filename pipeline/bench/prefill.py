@@ -1,0 +1,89 @@
+"""Prefill: demollm's prefill step at 128 and 1024 tokens, as achieved FLOP/s against a GEMM at the
+model's own shapes measured in the same run."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from pipeline.bench.limits import gemm_tflops
+from pipeline.bench.setup import compose
+from pipeline.export import graph_capture
+from pipeline.models import build, zoo
+from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
+from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.requests import Request
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.transforms import registry
+
+
+def prefill_flops(text_config, tokens: int) -> float:
+    """Matmul FLOPs of one prefill of `tokens` tokens: 2 x tokens x the decoder's weight elements,
+    plus causal attention (QK^T and PV over half the square) and the lm_head on the last token."""
+    hidden, heads = text_config.hidden_size, text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    kv_heads = text_config.num_key_value_heads
+    inter = text_config.intermediate_size
+    per_layer = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden + 3 * hidden * inter
+    attention = 2 * 2 * heads * head_dim * tokens * tokens / 2  # two matmuls, causal half
+    layers = text_config.num_hidden_layers
+    return layers * (2 * tokens * per_layer + attention) + 2 * hidden * text_config.vocab_size
+
+
+def bench_prefill(name: str, token_counts: list[int], repeats: int) -> dict:
+    cfg = compose([f"model={name}"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    cpu = torch.device("cpu")
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, cpu, seed=0
+    )
+    text_config = zoo.text_config_of(hf_config)
+    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, cpu, seed=0)
+    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
+    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
+    engine = DemoLLM(model, hf_config, cfg.runtime, cpu, eos_ids=set())
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        prompt = random_ids((1, tokens), text_config.vocab_size, special_ids(hf_config), generator)[
+            0
+        ].tolist()
+        requests = [Request(0, prompt)]
+        engine.generate(requests, 1, SamplingParams(), seed=0)  # warm-up
+        seconds = statistics.median(
+            engine.generate(requests, 1, SamplingParams(), seed=0).prefill_s for _ in range(repeats)
+        )
+        limit = gemm_tflops(
+            tokens, text_config.hidden_size, text_config.intermediate_size, torch.float32, cpu
+        )
+        achieved = prefill_flops(text_config, tokens) / seconds / 1e12
+        rows.append(
+            {
+                "tokens": tokens,
+                "prefill_ms": 1000 * seconds,
+                "tflops": achieved,
+                "gemm_tflops": limit,
+                "pct_of_gemm": 100 * achieved / limit,
+            }  # fmt: skip
+        )
+    return {"model": name, "rows": rows}
+
+
+def markdown(result: dict) -> list[str]:
+    lines = [
+        f"## Prefill, `model={result['model']}` (float32, CPU, batch 1, demollm torch-simple)",
+        "",
+        "Achieved = matmul FLOPs of the step (projections, MLP, causal attention, lm_head on the last "
+        "token) / step time; limit = one GEMM [tokens, hidden] x [hidden, intermediate] in the same run. "
+        "Target: at least 70 %.",
+        "",
+        "| tokens | prefill ms | achieved TFLOP/s | GEMM TFLOP/s | % of GEMM |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['tokens']} | {r['prefill_ms']:.1f} | {r['tflops']:.3f} | {r['gemm_tflops']:.3f} | {r['pct_of_gemm']:.0f} % |"
+        for r in result["rows"]
+    ]
+    return lines

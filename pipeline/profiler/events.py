@@ -1,0 +1,186 @@
+"""One profiling window read into plain records: module spans, ops and device events.
+
+This is the only module that touches the profiler's private event tree
+(`kineto_results.experimental_event_tree()`, `_EventType`), so a torch upgrade changes one file.
+
+- Module spans come from two sources: `nn.Module: <Class>_<n>` python events (eager modules,
+  recorded with `with_stack=True`; `self_ptr` is the module's id, joined with `named_modules()`
+  for its qualified name), and `module::<fqn>|<Class>` ranges that ranges.py puts into exported
+  graphs. Ranges start inside a python frame, so the tree does not nest ops under them: attribution
+  is by time containment on the profiled thread, not by tree parents.
+- Ops are TorchOp events (ATen and torch.library ops); self time excludes child ops.
+- Device events (CUDA kernels, copies) are kineto events on the GPU. Each is tied to the CPU event
+  that launched it by correlation id (a CUDA-graph replay's kernels all share the id of its
+  cudaGraphLaunch), and placed at that CPU event's start time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch._C._autograd import DeviceType
+from torch._C._profiler import _EventType
+
+RANGE_PREFIX = "module::"
+
+
+@dataclass
+class ModuleSpan:
+    fqn: str
+    cls: str
+    params: list[tuple[str, list[int]]]
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class OpEvent:
+    name: str
+    start_ns: int
+    end_ns: int
+    shapes: list[list[int]]
+    parent: OpEvent | None = None  # the op that called this one
+    child_ns: int = 0  # time in child ops
+
+    @property
+    def self_ns(self) -> int:
+        return max(self.end_ns - self.start_ns - self.child_ns, 0)
+
+    def trace(self) -> list[str]:
+        """Op names from the outermost op down to this one."""
+        chain, op = [], self
+        while op is not None:
+            chain.append(op.name)
+            op = op.parent
+        return chain[::-1]
+
+
+@dataclass
+class DeviceEvent:
+    name: str
+    duration_ns: int
+    anchor_ns: int  # CPU time of the launch: where it sits in the module spans
+    op: OpEvent | None  # the op that launched it, when it ran inside one
+
+
+@dataclass
+class Window:
+    modules: list[ModuleSpan] = field(default_factory=list)
+    ops: list[OpEvent] = field(default_factory=list)
+    device: list[DeviceEvent] = field(default_factory=list)
+    on_device: bool = False  # device events were recorded: device time is kernel time
+
+    @property
+    def span_ns(self) -> int:
+        starts = [o.start_ns for o in self.ops] + [m.start_ns for m in self.modules]
+        ends = [o.end_ns for o in self.ops] + [m.end_ns for m in self.modules]
+        return max(ends) - min(starts) if starts else 0
+
+
+def _shapes(event) -> list[list[int]]:
+    shapes = []
+    for value in getattr(event.extra_fields, "inputs", []) or []:
+        sizes = getattr(value, "sizes", None)
+        if sizes is not None:
+            shapes.append([int(s) for s in sizes])
+    return shapes
+
+
+def parse_range(name: str) -> tuple[str, str] | None:
+    """(fqn, class) of a `module::<fqn>|<Class>` range name."""
+    if not name.startswith(RANGE_PREFIX):
+        return None
+    fqn, _, cls = name[len(RANGE_PREFIX) :].rpartition("|")
+    return fqn, cls
+
+
+def range_name(fqn: str, cls: str) -> str:
+    return f"{RANGE_PREFIX}{fqn}|{cls}"
+
+
+def _module_span(event, module_names: dict[int, str]) -> ModuleSpan | None:
+    if event.tag == _EventType.PyCall:
+        module = event.extra_fields.module
+        if module is None:
+            return None
+        params = [(name, [int(s) for s in meta.sizes]) for name, meta, _ in module.parameters or []]
+        fqn = module_names.get(module.self_ptr, f"<{module.cls_name}>")
+        return ModuleSpan(fqn, module.cls_name, params, event.start_time_ns, event.end_time_ns)
+    if event.tag == _EventType.TorchOp and (parsed := parse_range(event.name)):
+        return ModuleSpan(parsed[0], parsed[1], [], event.start_time_ns, event.end_time_ns)
+    return None
+
+
+def _is_op(event) -> bool:
+    if event.tag != _EventType.TorchOp or parse_range(event.name):
+        return False
+    return not event.name.startswith("ProfilerStep#")  # the schedule's own step marker
+
+
+def _device_events(prof) -> dict[tuple[int, str], list[int]]:
+    """(correlation id, name) -> durations of device events; all events of a graph replay share
+    their launch's correlation id."""
+    found: dict[tuple[int, str], list[int]] = {}
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == DeviceType.CUDA:
+            found.setdefault((event.correlation_id(), event.name()), []).append(event.duration_ns())
+    return found
+
+
+def read_window(prof, module_names: dict[int, str]) -> Window:
+    """The window's events on the thread that ran the model (the one with the most ops)."""
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    per_thread: dict[int, list] = {}
+    for root in roots:
+        per_thread.setdefault(root.start_tid, []).append(root)
+    if not per_thread:
+        return Window()
+
+    def count_ops(events) -> int:
+        stack, n = list(events), 0
+        while stack:
+            e = stack.pop()
+            n += e.tag == _EventType.TorchOp
+            stack.extend(e.children)
+        return n
+
+    thread_roots = max(per_thread.values(), key=count_ops)
+    device = _device_events(prof)
+    window = Window(on_device=bool(device))
+    claimed: set[tuple[int, str]] = set()
+    launches: dict[int, tuple[int, OpEvent | None]] = {}  # correlation id -> (CPU time, op) of a launch
+
+    def walk(event, op: OpEvent | None, anchor_ns: int) -> None:
+        if span := _module_span(event, module_names):
+            window.modules.append(span)
+        if _is_op(event):
+            new = OpEvent(event.name, event.start_time_ns, event.end_time_ns, _shapes(event), parent=op)
+            if op is not None:
+                op.child_ns += new.end_ns - new.start_ns
+            window.ops.append(new)
+            op = new
+        key = (event.correlation_id, event.name)
+        if event.tag == _EventType.Kineto and key in device:
+            # A device event placed in the tree under its launch: it sits at the launch's CPU time.
+            if key not in claimed:
+                claimed.add(key)
+                window.device += [DeviceEvent(event.name, d, anchor_ns, op) for d in device[key]]
+            return
+        if event.tag != _EventType.Kineto or event.name.startswith("cuda"):
+            anchor_ns = event.start_time_ns  # a CPU-side event: python frame, op or runtime call
+        if event.tag == _EventType.Kineto:
+            launches.setdefault(event.correlation_id, (anchor_ns, op))
+        for child in event.children:
+            walk(child, op, anchor_ns)
+
+    for root in thread_roots:
+        walk(root, None, root.start_time_ns)
+    # Device events the tree did not place: tie them to their launch by correlation id.
+    for (correlation, name), durations in device.items():
+        if (correlation, name) in claimed:
+            continue
+        anchor_ns, op = launches.get(correlation, (None, None))
+        window.device += [
+            DeviceEvent(name, d, anchor_ns if anchor_ns is not None else -1, op) for d in durations
+        ]
+    return window

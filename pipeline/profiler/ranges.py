@@ -1,0 +1,95 @@
+"""Module ranges inside exported graphs, so a profile of a captured model has the same module tree
+as eager.
+
+An exported GraphModule runs no nn.Module calls, but export keeps each node's `nn_module_stack`
+(the modules it was traced under, outermost first). For a profiling window, `module_ranges` puts
+`profiler::_record_function_enter_new` / `_record_function_exit` around each run of nodes that
+share a stack, named `module::<fqn>|<Class>`, and takes them out afterwards: timed runs never pay
+for them. Nodes without a stack (inserted by a transform and given none) and getitem nodes (no op
+runs; a fused GEMM's parts keep their projection's stack) stay in the ranges open around them.
+
+Only the graph's own forward is rewritten: a compiled forward (torch-compile) or a CUDA graph
+replay (torch-cudagraph, torch-opt) keeps running the code it was built from, so under those
+backends a graph shows as one module, as the seed's profiler shows a CUDAGraphRunner.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import fx, nn
+
+from pipeline.profiler.events import range_name
+from pipeline.transforms.registry import find_graphs
+
+ENTER = torch.ops.profiler._record_function_enter_new.default
+EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
+
+# The stack export gives nodes it adds itself (shape guards); no module ran them.
+EXPORT_PLACEHOLDER = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str, str]] | None:
+    """(key, module path, class name) of each module the node ran under, below the graph's root."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return [
+        (key, path, cls.rsplit(".", 1)[-1])
+        for key, (path, cls) in stack.items()
+        if path and path != EXPORT_PLACEHOLDER
+    ]
+
+
+def instrument(gm: fx.GraphModule, prefix: str) -> list[fx.Node]:
+    """Put the ranges in (and recompile); returns the nodes added, for `remove`."""
+    graph = gm.graph
+    added: list[fx.Node] = []
+    open_: list[tuple[str, fx.Node]] = []  # (stack key, enter node), outermost first
+
+    def close(down_to: int, before: fx.Node) -> None:
+        while len(open_) > down_to:
+            _, handle = open_.pop()
+            with graph.inserting_before(before):
+                added.append(graph.call_function(EXIT, (handle,)))
+
+    for node in list(graph.nodes):
+        if node.op == "output":
+            close(0, node)
+            break
+        if node.op != "call_function" or node.target is operator.getitem or (stack := _stack(node)) is None:
+            continue
+        shared = 0
+        while shared < min(len(open_), len(stack)) and open_[shared][0] == stack[shared][0]:
+            shared += 1
+        close(shared, node)
+        for key, path, cls in stack[shared:]:
+            fqn = f"{prefix}.{path}" if prefix else path
+            with graph.inserting_before(node):
+                handle = graph.call_function(ENTER, (range_name(fqn, cls), None))
+            added.append(handle)
+            open_.append((key, handle))
+    gm.recompile()
+    return added
+
+
+def remove(gm: fx.GraphModule, added: list[fx.Node]) -> None:
+    for node in reversed(added):  # exits (users of the handles) were added after their enters
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+@contextmanager
+def module_ranges(model: nn.Module) -> Iterator[list[str]]:
+    """Every captured graph of the model instrumented for the duration; yields their paths."""
+    graphs = [(path, gm) for path, gm in find_graphs(model)]
+    added = [instrument(gm, "" if path == "root" else path) for path, gm in graphs]
+    try:
+        yield [path for path, _ in graphs]
+    finally:
+        for (_, gm), nodes in zip(graphs, added, strict=True):
+            remove(gm, nodes)

@@ -1,0 +1,67 @@
+"""Printed tables of a profile tree (from profile.json's dict form, so the stage and
+`python -m pipeline.tools.print_table` print the same thing): tree indentation, a depth cut and a
+top-k cut per node (the rest folded into one `... N more` row)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME_WIDTH = 64
+
+
+def _detail(node: dict[str, Any]) -> str:
+    if node["kind"] == "module":
+        return node["cls"]
+    if node["kind"] == "kernel":
+        return " ".join("x".join(map(str, s)) for s in node["shapes"][:3])
+    return ""
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_table(tree: dict[str, Any], title: str, depth: int | None = None, top_k: int | None = None) -> str:
+    header = f"{'name':<{NAME_WIDTH}} {'class / shapes':<28} {'device us':>11} {'%':>6} {'cpu us':>11} {'calls':>6}"
+    lines = [title, header, "-" * len(header)]
+
+    def row(name: str, level: int, detail: str, device: float, pct: float, cpu: float, calls: str) -> None:
+        label = _cut("  " * level + name, NAME_WIDTH)
+        lines.append(
+            f"{label:<{NAME_WIDTH}} {_cut(detail, 28):<28} {device:>11.1f} {pct:>6.1f} {cpu:>11.1f} {calls:>6}"
+        )
+
+    def visit(node: dict[str, Any], level: int) -> None:
+        row(node["name"], level, _detail(node), node["device_time_us"], node["pct"], node["cpu_time_us"],
+            str(node["invocations"]))  # fmt: skip
+        if depth is not None and level >= depth:
+            return
+        children = node["children"]
+        shown = children
+        if top_k is not None and len(children) > top_k:
+            keep = sorted(range(len(children)), key=lambda i: -children[i]["device_time_us"])[:top_k]
+            shown = [children[i] for i in sorted(keep)]
+        for child in shown:
+            visit(child, level + 1)
+        rest = [c for c in children if c not in shown]
+        if rest:
+            row(f"... {len(rest)} more", level + 1, "", sum(c["device_time_us"] for c in rest),
+                sum(c["pct"] for c in rest), sum(c["cpu_time_us"] for c in rest), "")  # fmt: skip
+
+    visit(tree, 0)
+    return "\n".join(lines)
+
+
+def phase_table(profile: dict[str, Any], phase: str, table: str, depth: int | None, top_k: int | None) -> str:
+    """The `summary` or `model` table of one phase of a loaded profile.json."""
+    phases = profile["phases"]
+    if phase not in phases:
+        raise KeyError(f"no phase {phase!r} in this profile; it has {', '.join(phases)}")
+    if table not in ("summary", "model"):
+        raise KeyError(f"no table {table!r}: use summary or model")
+    entry = phases[phase]
+    title = (
+        f"{phase} {table} table: step {entry['step_ms']:.2f} ms, device time {entry['device_time_us']:.0f} us, "
+        f"coverage {entry['coverage_pct']:.1f} %"
+    )
+    return format_table(entry[f"{table}_stats"], title, depth, top_k)

@@ -1,0 +1,207 @@
+"""Module trees of one profiling window, and the views made from them.
+
+Model tree: one node per module instance (by qualified name under its parent), children are the
+modules it called and, as leaves, the kernels it launched (on CPU: the ATen ops it ran, each for
+its self time), with the trace of ops between module and kernel. Summary tree: the model tree merged by name
+path, layer indices dropped, so N decoder layers are one row with N invocations.
+
+Times, in microseconds:
+- cpu_time_us: wall time of the module's spans (for CPU kernels, the op's self time; 0 for GPU
+  kernels, whose launch is not the work);
+- device_time_us: kernel time on a GPU; on CPU, the self time of the ops (so nested ops are not
+  counted twice). A module's device time is its own ops' and its submodules'; its kernel leaves
+  break its own part down, so children never sum to more than the parent.
+Everything outside any module (the engine's own tensors, sampling) is kept under `(unattributed)`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.profiler.events import Window
+
+UNATTRIBUTED = "(unattributed)"
+LAYER = re.compile(r"(^|\.)layers\.\d+$")  # a decoder (or encoder) layer of a ModuleList `layers`
+INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+@dataclass
+class Node:
+    name: str
+    kind: str  # phase | module | kernel | unattributed
+    fqn: str = ""  # modules: qualified name; kernels: the module they ran in
+    cls: str = ""
+    params: list[tuple[str, list[int]]] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    trace: str = ""  # kernels: the ops from the module down to the kernel
+    category: str = ""
+    cpu_time_us: float = 0.0
+    device_time_us: float = 0.0
+    invocations: int = 0
+    pct: float = 0.0
+    children: dict[tuple, Node] = field(default_factory=dict)
+    direct_us: float = 0.0  # device time of this module's own ops (its kernel leaves break it down)
+
+    def child(self, key: tuple, make: Callable[[], Node]) -> Node:
+        if key not in self.children:
+            self.children[key] = make()
+        return self.children[key]
+
+    def walk(self):
+        yield self
+        for c in self.children.values():
+            yield from c.walk()
+
+
+def _kernel_leaf(owner: Node, name: str, shapes: list[list[int]], trace: list[str], category: str) -> Node:
+    key = ("kernel", name, " > ".join(trace), repr(shapes))
+    return owner.child(
+        key, lambda: Node(name, "kernel", fqn=owner.fqn, shapes=shapes, trace=key[2], category=category)
+    )
+
+
+def _total(node: Node) -> float:
+    """Device time bottom-up: own ops plus submodules (kernel leaves are part of the own ops)."""
+    if node.kind == "kernel":
+        return node.device_time_us
+    node.device_time_us = node.direct_us + sum(
+        _total(c) for c in node.children.values() if c.kind != "kernel"
+    )
+    return node.device_time_us
+
+
+def _percent(root: Node) -> None:
+    for node in root.walk():
+        node.pct = 100 * node.device_time_us / root.device_time_us if root.device_time_us else 0.0
+
+
+def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> Node:
+    root = Node(phase, "phase", invocations=1, cpu_time_us=window.span_ns / 1000)
+    unattributed = Node(UNATTRIBUTED, "unattributed")
+    # One sweep in time order; an event belongs to the innermost module span open at its start.
+    items = [(s.start_ns, 0, i) for i, s in enumerate(window.modules)]
+    items += [(o.start_ns, 1, i) for i, o in enumerate(window.ops)]
+    items += [(d.anchor_ns, 2, i) for i, d in enumerate(window.device)]
+    items.sort(key=lambda t: (t[0], t[1], -window.modules[t[2]].end_ns if t[1] == 0 else 0))
+    stack: list[tuple[int, Node]] = []  # (end_ns, node) of the open spans
+    for time_ns, kind, index in items:
+        while stack and stack[-1][0] <= time_ns:
+            stack.pop()
+        owner = stack[-1][1] if stack else None
+        if kind == 0:
+            span = window.modules[index]
+            parent = owner or root
+            node = parent.child(
+                ("module", span.fqn),
+                lambda span=span: Node(
+                    _short(span.fqn) or span.cls, "module", span.fqn, span.cls, span.params
+                ),
+            )
+            node.cpu_time_us += (span.end_ns - span.start_ns) / 1000
+            node.invocations += 1
+            stack.append((span.end_ns, node))
+            continue
+        target = owner or unattributed
+        if kind == 1:
+            op = window.ops[index]
+            if target is unattributed and op.parent is None:
+                unattributed.cpu_time_us += (op.end_ns - op.start_ns) / 1000
+            if window.on_device:
+                continue  # on a GPU, device time is kernel time
+            # On CPU an op's self time is its kernel: every op is a leaf for the time it spends
+            # outside the ops it calls (aten::mm's GEMM, not aten::linear's dispatch).
+            self_us = op.self_ns / 1000
+            target.direct_us += self_us
+            leaf = _kernel_leaf(target, op.name, op.shapes, op.trace(), categorize(op.name))
+            leaf.device_time_us += self_us
+            leaf.cpu_time_us += self_us
+            leaf.invocations += 1
+        else:
+            event = window.device[index]
+            trace = event.op.trace() if event.op else []
+            shapes = event.op.shapes if event.op else []
+            leaf = _kernel_leaf(target, event.name, shapes, trace, categorize(event.name))
+            leaf.device_time_us += event.duration_ns / 1000
+            leaf.invocations += 1
+            target.direct_us += event.duration_ns / 1000
+    if unattributed.direct_us or unattributed.children or unattributed.cpu_time_us:
+        unattributed.invocations = 1
+        root.children[("unattributed",)] = unattributed
+    _total(root)
+    _percent(root)
+    return root
+
+
+def summary_name(fqn: str) -> str:
+    """Layer indices dropped: `lm.layers.3.mlp` -> `lm.layers.*.mlp`."""
+    return INDEX.sub("*", fqn)
+
+
+def _short(fqn: str) -> str:
+    """The last name of a path, with its list name when it is an index: `layers.*`, `layers.3`."""
+    parts = fqn.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 1 and (parts[-1] == "*" or parts[-1].isdigit()) else parts[-1]
+
+
+def _merge_into(
+    target: Node, node: Node, key_of: Callable[[Node], tuple], fqn_of: Callable[[str], str], scale: float
+) -> None:
+    target.cpu_time_us += node.cpu_time_us * scale
+    target.device_time_us += node.device_time_us * scale
+    target.direct_us += node.direct_us * scale
+    target.invocations += node.invocations
+    for c in node.children.values():
+        key = key_of(c)
+        merged = target.child(
+            key,
+            lambda c=c: Node(c.name, c.kind, fqn_of(c.fqn), c.cls, c.params, c.shapes, c.trace, c.category),
+        )
+        _merge_into(merged, c, key_of, fqn_of, scale)
+
+
+def _instance_key(node: Node) -> tuple:
+    # Not by shapes: a decode step's attention reads one more cached token each step.
+    return (node.kind, node.fqn, node.name, node.trace)
+
+
+def _summary_key(node: Node) -> tuple:
+    if node.kind == "kernel":
+        return ("kernel", node.name, node.trace)
+    return (node.kind, summary_name(node.fqn))
+
+
+def summary_tree(model: Node) -> Node:
+    root = Node(model.name, "phase")
+    _merge_into(root, model, _summary_key, summary_name, 1.0)
+    for node in root.walk():
+        if node.kind == "module":
+            node.name = _short(node.fqn) or node.cls
+    _percent(root)
+    return root
+
+
+def mean_tree(trees: list[Node], phase: str) -> Node:
+    """The mean of several windows of the same step kind (decode_1..N): times and invocations per
+    window."""
+    root = Node(phase, "phase")
+    for tree in trees:
+        _merge_into(root, tree, _instance_key, str, 1 / len(trees))
+    for node in root.walk():
+        node.invocations = round(node.invocations / len(trees))
+    _percent(root)
+    return root
+
+
+def coverage(root: Node) -> tuple[float, float]:
+    """(percent of device time inside any module, percent of the layer stacks' device time inside
+    a layer or deeper). A layer stack is the module that holds `layers.N`."""
+    total = root.device_time_us
+    outside = sum(c.device_time_us for c in root.children.values() if c.kind == "unattributed")
+    attributed = 100 * (total - outside) / total if total else 0.0
+    layers = [n for n in root.walk() if n.kind == "module" and LAYER.search(n.fqn)]
+    stacks = {LAYER.sub("", n.fqn) for n in layers}
+    stack_time = sum(n.device_time_us for n in root.walk() if n.kind == "module" and n.fqn in stacks)
+    in_layers = sum(n.device_time_us for n in layers)
+    return attributed, (100 * in_layers / stack_time if stack_time else 0.0)

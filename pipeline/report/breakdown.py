@@ -1,0 +1,123 @@
+"""Breakdown tables of a profile.json, the data behind every plot: time per module bucket, per
+kernel category and per kernel, for each phase shown (prefill, decode_1, decode = the mean)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+PHASES = ("prefill", "decode_1", "decode")
+LAYER = re.compile(r"(^|\.)layers\.\*$")
+
+
+def _modules_below(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in node["children"] if c["kind"] in ("module", "unattributed")]
+
+
+def _has_layers(node: dict[str, Any]) -> bool:
+    return bool(LAYER.search(node["fqn"])) or any(_has_layers(c) for c in _modules_below(node))
+
+
+def module_buckets(summary: dict[str, Any], depth: int | None = None) -> dict[str, float]:
+    """Disjoint parts of a phase's device time (us), by summary-tree module.
+
+    Default: the children of the decoder layers (`layers.*.self_attn`, `layers.*.mlp`, the norms)
+    and, outside the layers, the largest modules that hold no layers (lm_head, vision tower,
+    projector, embedding, demollm's own steps); time a container spends itself is `<fqn> (self)`.
+    With `depth`, the module nodes at that depth below the phase instead (shallower leaves as is).
+    """
+    buckets: dict[str, float] = {}
+
+    def add(name: str, us: float) -> None:
+        if us > 0:
+            buckets[name] = buckets.get(name, 0.0) + us
+
+    def visit(node: dict[str, Any], level: int) -> None:
+        below = _modules_below(node)
+        if depth is not None:
+            stop = level >= depth or not below
+        else:
+            stop = not below or (not _has_layers(node) and not LAYER.search(node["fqn"]))
+            if LAYER.search(node["fqn"]):  # a layer: its children are the buckets
+                for child in below:
+                    add(child["fqn"] or child["name"], child["device_time_us"])
+                add(f"{node['fqn']} (self)", node["device_time_us"] - sum(c["device_time_us"] for c in below))
+                return
+        if stop and level > 0:
+            add(node["fqn"] or node["name"], node["device_time_us"])
+            return
+        for child in below:
+            visit(child, level + 1)
+        if level > 0:
+            add(
+                f"{node['fqn'] or node['name']} (self)",
+                node["device_time_us"] - sum(c["device_time_us"] for c in below),
+            )
+
+    visit(summary, 0)
+    return buckets
+
+
+def kernel_times(tree: dict[str, Any], key: str) -> dict[str, float]:
+    """Device time (us) of the kernel leaves, summed by `category` or by `name`."""
+    totals: dict[str, float] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if node["kind"] == "kernel":
+            totals[node[key] or "other"] = totals.get(node[key] or "other", 0.0) + node["device_time_us"]
+        stack.extend(node["children"])
+    return totals
+
+
+def top_k(values: dict[str, float], k: int) -> dict[str, float]:
+    """The k largest, the rest summed as `others`, in descending order."""
+    ranked = sorted(values.items(), key=lambda kv: -kv[1])
+    kept = dict(ranked[:k])
+    rest = sum(v for _, v in ranked[k:])
+    if rest > 0:
+        kept["others"] = rest
+    return kept
+
+
+def phases_of(profile: dict[str, Any], wanted: tuple[str, ...] = PHASES) -> list[str]:
+    return [p for p in wanted if p in profile["phases"]]
+
+
+def parts_of(profile: dict[str, Any], phase: str, level: str, depth: int | None = None) -> dict[str, float]:
+    """{part: device us} of one phase at level `module`, `category` or `kernel`."""
+    summary = profile["phases"][phase]["summary_stats"]
+    if level == "module":
+        return module_buckets(summary, depth)
+    if level in ("category", "kernel"):
+        return kernel_times(summary, "category" if level == "category" else "name")
+    raise ValueError(f"level {level!r}: use module, category or kernel")
+
+
+def align(raw: dict[str, dict[str, float]], top: int) -> dict[str, dict[str, float]]:
+    """Rows (phases, or jobs) with the same parts: the top-k over all rows together, the rest
+    `others`; us -> ms."""
+    overall: dict[str, float] = {}
+    for values in raw.values():
+        for name, us in values.items():
+            overall[name] = overall.get(name, 0.0) + us
+    keep = [name for name in top_k(overall, top) if name != "others"]
+    result = {}
+    for row, values in raw.items():
+        parts = {name: values.get(name, 0.0) / 1000 for name in keep}
+        rest = sum(us for name, us in values.items() if name not in keep) / 1000
+        if rest > 0:
+            parts["others"] = rest
+        result[row] = parts
+    return result
+
+
+def breakdown(
+    profile: dict[str, Any],
+    level: str,
+    top: int = 8,
+    depth: int | None = None,
+    phases: tuple[str, ...] = PHASES,
+) -> dict[str, dict[str, float]]:
+    """phase -> {part: device ms per step}, the same parts in every phase."""
+    return align({phase: parts_of(profile, phase, level, depth) for phase in phases_of(profile, phases)}, top)

@@ -1,0 +1,114 @@
+"""A report as sections of blocks, rendered to Markdown (images linked) and to one self-contained
+HTML file (images embedded as base64), so the two never disagree."""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[object]]
+
+
+@dataclass
+class Pre:
+    text: str
+
+
+@dataclass
+class Image:
+    path: Path
+    caption: str
+
+
+Block = str | Table | Pre | Image  # a str is a paragraph
+
+
+@dataclass
+class Section:
+    title: str
+    blocks: list[Block] = field(default_factory=list)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e-2 and value else f"{value:,.2f}"
+    return str(value)
+
+
+def to_markdown(title: str, sections: list[Section], relative_to: Path) -> str:
+    lines = [f"# {title}", ""]
+    for section in sections:
+        lines += [f"## {section.title}", ""]
+        for block in section.blocks:
+            if isinstance(block, Table):
+                lines.append("| " + " | ".join(block.headers) + " |")
+                lines.append("|" + "---|" * len(block.headers))
+                lines += [
+                    "| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |" for row in block.rows
+                ]
+            elif isinstance(block, Pre):
+                lines += ["```", block.text, "```"]
+            elif isinstance(block, Image):
+                lines.append(f"![{block.caption}]({os.path.relpath(block.path, relative_to)})")
+            else:
+                lines.append(block)
+            lines.append("")
+    return "\n".join(lines)
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
+th, td { border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: left; }
+th { background: #f3f3f3; }
+pre { background: #f7f7f7; padding: 0.8rem; overflow-x: auto; font-size: 0.8rem; }
+img { max-width: 100%; border: 1px solid #eee; }
+.failed { color: #b00020; font-weight: bold; }
+"""
+
+
+def to_html(title: str, sections: list[Section]) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for section in sections:
+        parts.append(f"<h2>{html.escape(section.title)}</h2>")
+        for block in section.blocks:
+            if isinstance(block, Table):
+                head = "".join(f"<th>{html.escape(h)}</th>" for h in block.headers)
+                body = "".join(
+                    "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
+                    for row in block.rows
+                )
+                parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            elif isinstance(block, Pre):
+                parts.append(f"<pre>{html.escape(block.text)}</pre>")
+            elif isinstance(block, Image):
+                data = base64.b64encode(block.path.read_bytes()).decode()
+                parts.append(
+                    f"<figure><img alt='{html.escape(block.caption)}' src='data:image/png;base64,{data}'>"
+                    f"<figcaption>{html.escape(block.caption)}</figcaption></figure>"
+                )
+            else:
+                css = " class='failed'" if block.startswith("FAILED") else ""
+                parts.append(f"<p{css}>{html.escape(block)}</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write(folder: Path, name: str, title: str, sections: list[Section]) -> tuple[Path, Path]:
+    """folder/name.md and folder/name.html."""
+    folder.mkdir(parents=True, exist_ok=True)
+    md, page = folder / f"{name}.md", folder / f"{name}.html"
+    md.write_text(to_markdown(title, sections, folder))
+    page.write_text(to_html(title, sections))
+    return md, page

@@ -1,0 +1,77 @@
+"""Breakdown plots (seaborn on matplotlib's Agg backend): one figure per level, two panels each,
+absolute device time per step and percent of the step, one stacked bar per phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.report.breakdown import breakdown
+
+LEVELS = {
+    "module_breakdown": ("module", "Where the time goes, by module"),
+    "kernel_categories": ("category", "Where the time goes, by kernel category"),
+    "kernel_top": ("kernel", "Where the time goes, by kernel"),
+}
+
+
+def _label(part: str, width: int = 48) -> str:
+    """Long module paths and kernel names cut from the left, where they repeat."""
+    return part if len(part) <= width else "..." + part[-(width - 3) :]
+
+
+def breakdown_figure(data: dict[str, dict[str, float]], title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    frame = pd.DataFrame(data).T.fillna(0.0)  # rows: phases, columns: parts (ms)
+    percent = frame.div(frame.sum(axis=1), axis=0) * 100
+    sns.set_theme(style="whitegrid", context="notebook")
+    colors = sns.color_palette("tab20", n_colors=max(len(frame.columns), 1))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 1.2 * len(frame) + 3.5), sharey=True)
+    frame.plot(kind="barh", stacked=True, ax=axes[0], color=colors, legend=False, width=0.7)
+    percent.plot(kind="barh", stacked=True, ax=axes[1], color=colors, legend=False, width=0.7)
+    axes[0].set_xlabel("device time per step (ms)")
+    axes[1].set_xlabel("% of the step's device time")
+    axes[1].set_xlim(0, 100)
+    axes[0].invert_yaxis()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, [_label(x) for x in labels], loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06 + 0.025 * ((len(labels) + 2) // 3), 1, 1))
+    return fig
+
+
+def render(
+    profile: dict[str, Any],
+    out_dir: Path,
+    formats: tuple[str, ...] = ("png",),
+    top_k: int = 8,
+    depth: int | None = None,
+) -> tuple[dict[str, Path], list[str]]:
+    """Every level's figure into out_dir; returns ({key: png path}, notes on what was skipped)."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, notes = {}, []
+    context = profile.get("context", {})
+    subtitle = f"{context.get('model', '')} {context.get('capture', '')} {context.get('backend', '')}".strip()
+    for key, (level, title) in LEVELS.items():
+        data = breakdown(profile, level, top_k, depth)
+        empty = [phase for phase, parts in data.items() if sum(parts.values()) <= 0]
+        for phase in empty:
+            notes.append(f"{key}: phase {phase} has no device time; left out")
+            del data[phase]
+        if not data:
+            notes.append(f"{key}: no phase has data; no plot")
+            continue
+        fig = breakdown_figure(data, f"{title} ({subtitle})" if subtitle else title)
+        for fmt in formats:
+            fig.savefig(out_dir / f"{key}.{fmt}", dpi=110)
+        plt.close(fig)
+        written[key] = out_dir / f"{key}.png" if "png" in formats else out_dir / f"{key}.{formats[0]}"
+    return written, notes

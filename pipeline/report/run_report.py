@@ -1,0 +1,237 @@
+"""The run report: what a run was, what each stage did, how fast, how correct, where the time
+went. Built from the RunState alone (stage records, checks, history, profile.json on disk), so a
+failed run gets a report of what it reached and why it stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.profiler.tables import phase_table
+from pipeline.report.document import Image, Pre, Section, Table, write
+from pipeline.state import RunState
+
+HEADLINE = (
+    ("latency/prefill_ms", "prefill", "ms"),
+    ("latency/decode_ms", "decode", "ms/step"),
+    ("throughput/decode_tok_s", "throughput", "tok/s"),
+    ("correctness/max_abs_err", "max_abs_err", ""),
+    ("profile/coverage_pct", "profile coverage", "%"),
+)
+PLOT_CAPTIONS = {
+    "module_breakdown": "Device time per step by module (absolute and percent)",
+    "kernel_categories": "Device time per step by kernel category",
+    "kernel_top": "Device time per step by kernel (top k)",
+}
+
+
+def metrics_of(state: RunState) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for record in state.stages:
+        merged |= record.metrics
+    return merged
+
+
+def _failure(state: RunState) -> str | None:
+    failed = next((r for r in state.stages if r.status != "done"), None)
+    if failed is None:
+        return None
+    return f"FAILED at stage '{failed.name}' ({failed.status}): {failed.cause}"
+
+
+def headline(state: RunState, report: Path | None = None) -> list[str]:
+    """The few numbers a console summary ends with."""
+    metrics = metrics_of(state)
+    cfg = state.cfg
+    lines = [
+        f"{cfg.model.name} capture={cfg.capture.mode} backend={state.backend} "
+        f"attention={state.attention} {str(state.dtype).removeprefix('torch.')} on {state.device}"
+    ]
+    numbers = [
+        f"{label} {metrics[key]:.4g}{(' ' + unit) if unit else ''}"
+        for key, label, unit in HEADLINE
+        if key in metrics
+    ]
+    if numbers:
+        lines.append(", ".join(numbers))
+    if failure := _failure(state):
+        lines.append(failure)
+    if report is not None:
+        lines.append(f"report: {report}")
+    return lines
+
+
+def _config_table(state: RunState) -> Table:
+    cfg, info = state.cfg, state.model_info
+    rows: list[list[Any]] = [
+        ["model", f"{cfg.model.name} ({info.architecture if info else cfg.model.architecture})"],
+        ["parameters", _count(info.params) if info else "not loaded"],
+        ["weights", info.source if info else "-"],
+        ["capture", cfg.capture.mode],
+        ["backend", f"{state.backend} (backend={cfg.backend.name})"],
+        ["attention", f"{state.attention} (attention={cfg.attention.name})"],
+        ["dtype, device", f"{str(state.dtype).removeprefix('torch.')} on {state.device}"],
+        [
+            "workload",
+            f"batch {cfg.prompt.batch_size} x prompt {cfg.prompt.prompt_len} tokens, "
+            f"{cfg.prompt.output_len} new tokens; profile: {cfg.profile.decode_steps} decode steps",
+        ],
+    ]
+    return Table(["setting", "value"], rows)
+
+
+def _count(n: int) -> str:
+    return next(
+        f"{n / scale:.2f} {unit}"
+        for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+        if n >= scale
+    )
+
+
+def _first_line(notes: list[str]) -> str:
+    """A stage's first note that is prose, not a row of a printed table."""
+    return next((n for n in notes if not n.startswith(("transform ", "---"))), "")
+
+
+def _stages_table(state: RunState) -> Table:
+    rows = [[r.name, r.status, f"{r.seconds:.2f}", r.cause or _first_line(r.notes)] for r in state.stages]
+    return Table(["stage", "status", "seconds", "what happened"], rows)
+
+
+def _export_section(state: RunState) -> Section:
+    section = Section("Export: what was captured, what stayed eager")
+    if not state.captured:
+        section.blocks.append(f"Nothing captured (capture={state.cfg.capture.mode}).")
+    else:
+        section.blocks.append(
+            Table(
+                ["graph", "nodes", "inputs", "constants", "export s"],
+                [
+                    [
+                        g.name,
+                        sum(1 for _ in g.graph_module.graph.nodes),
+                        ", ".join(g.tensor_inputs),
+                        json.dumps(g.constants),
+                        f"{g.export_s:.2f}",
+                    ]  # fmt: skip
+                    for g in state.captured
+                ],
+            )
+        )
+    export = next((r for r in state.stages if r.name == "export"), None)
+    section.blocks += [n for n in (export.notes if export else []) if "eager" in n]
+    return section
+
+
+def _transforms_section(state: RunState) -> Section:
+    section = Section("Transforms")
+    history = state.transform_history
+    if history is None or not history.records:
+        section.blocks.append("No transforms ran.")
+        return section
+    section.blocks.append(
+        Table(
+            ["transform", "target", "status", "matches", "nodes", "ms", "reason"],
+            [
+                [
+                    r.transform,
+                    r.target,
+                    r.status,
+                    r.matches,
+                    f"{r.nodes_before}->{r.nodes_after}",
+                    f"{1000 * r.seconds:.1f}",
+                    r.reason,
+                ]  # fmt: skip
+                for r in history.records
+            ],
+        )
+    )
+    return section
+
+
+def _capture_section(state: RunState, metrics: dict[str, float]) -> Section:
+    section = Section("Capture")
+    record = next((r for r in state.stages if r.name == "capture"), None)
+    if record is None:
+        section.blocks.append("Not reached.")
+        return section
+    keys = [k for k in sorted(metrics) if k.startswith("capture/") or k == "time/compile_s"]
+    section.blocks += record.notes
+    if record.tags.get("capture_fallback") == "true":
+        section.blocks.append(
+            "FAILED to compile or capture: these numbers are UNCOMPILED (backend.fallback=eager)."
+        )
+    if keys:
+        section.blocks.append(Table(["metric", "value"], [[k, metrics[k]] for k in keys]))
+    return section
+
+
+def _correctness_section(state: RunState) -> Section:
+    section = Section("Correctness")
+    if not state.checks:
+        section.blocks.append("No checks ran.")
+        return section
+    section.blocks.append(
+        Table(
+            ["after stage", "call", "max_abs_err", "tolerance", "result"],
+            [
+                [c.stage, c.call, c.max_abs_err, c.tolerance, "ok" if c.passed else "FAILED"]
+                for c in state.checks
+            ],
+        )
+    )
+    section.blocks.append(
+        "Each check compares the model's logits after that stage with the eager Hugging Face model's on "
+        "the same call. Greedy-token parity of demollm with Hugging Face generate, per backend, is "
+        "tested on the tiny models (tests/test_runtime.py, tests/test_capture.py)."
+    )
+    return section
+
+
+def _performance_section(metrics: dict[str, float]) -> Section:
+    keys = [k for k in sorted(metrics) if k.split("/")[0] in ("latency", "throughput", "memory", "time")]
+    section = Section("Latency, throughput, memory, time")
+    section.blocks.append(
+        Table(["metric", "value"], [[k, metrics[k]] for k in keys]) if keys else "Not reached."
+    )
+    return section
+
+
+def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> Section:
+    section = Section("Profile")
+    path = state.run_dir / "profile" / "profile.json"
+    if not path.exists():
+        section.blocks.append("No profile (the profile stage did not run or was disabled).")
+        return section
+    profile = json.loads(path.read_text())
+    for phase in ("prefill", "decode"):
+        if phase in profile["phases"]:
+            section.blocks.append(Pre(phase_table(profile, phase, "summary", depth=3, top_k=6)))
+    record = next((r for r in state.stages if r.name == "profile"), None)
+    section.blocks += record.notes if record else []
+    section.blocks += plot_notes
+    section.blocks += [Image(png, PLOT_CAPTIONS.get(key, key)) for key, png in plots.items()]
+    return section
+
+
+def sections(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> list[Section]:
+    metrics = metrics_of(state)
+    summary = Section("Summary", headline(state))
+    return [
+        summary,
+        Section("Configuration", [_config_table(state)]),
+        Section("Stages", [_stages_table(state)]),
+        _export_section(state),
+        _transforms_section(state),
+        _capture_section(state, metrics),
+        _correctness_section(state),
+        _performance_section(metrics),
+        _profile_section(state, plots, plot_notes),
+    ]
+
+
+def write_report(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> tuple[Path, Path]:
+    """report/report.md and the self-contained report/report.html."""
+    title = f"Run report: {state.cfg.model.name}, capture={state.cfg.capture.mode}, backend={state.backend}"
+    return write(state.run_dir / "report", "report", title, sections(state, plots, plot_notes))

@@ -1,0 +1,1 @@
+"""Command-line tools that work on a finished run's files: `python -m pipeline.tools.<name>`."""

@@ -1,0 +1,319 @@
+"""The layerwise profiler: trees from synthetic windows (CPU and GPU shapes of events), module
+ranges in exported graphs, and the profile stage end to end against eager."""
+
+from __future__ import annotations
+
+import csv
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import build_tiny, compose_cfg, mlflow_runs, run_pipeline
+from torch._C._autograd import DeviceType
+from torch._C._profiler import _EventType
+
+from pipeline.config import validate
+from pipeline.errors import ConfigError
+from pipeline.export import graph_capture
+from pipeline.profiler import events, ranges, tables, tree
+from pipeline.profiler.categories import Categorizer
+from pipeline.profiler.events import DeviceEvent, ModuleSpan, OpEvent, Window
+from pipeline.profiler.output import to_dict
+
+CATEGORIES = Categorizer(compose_cfg().profile.kernel_categories)
+
+
+def _op(name, start, end, parent=None, shapes=None):
+    op = OpEvent(name, start, end, shapes or [], parent=parent)
+    if parent is not None:
+        parent.child_ns += end - start
+    return op
+
+
+def _cpu_window() -> Window:
+    """Two layers of a model, an op outside any module, a nested op chain."""
+    linear = _op("aten::linear", 110, 150)
+    mm = _op("aten::mm", 115, 145, parent=linear, shapes=[[2, 4], [4, 4]])
+    return Window(
+        modules=[
+            ModuleSpan("", "Model", [], 100, 400),
+            ModuleSpan("layers.0", "Layer", [], 105, 200),
+            ModuleSpan("layers.0.proj", "Linear", [("weight", [4, 4])], 108, 160),
+            ModuleSpan("layers.1", "Layer", [], 200, 300),
+        ],
+        ops=[linear, mm, _op("aten::add", 210, 260), _op("aten::cat", 20, 60), _op("aten::mul", 310, 330)],
+    )
+
+
+def _children_within_parent(node: tree.Node) -> None:
+    for child in node.children.values():
+        _children_within_parent(child)
+    assert sum(c.device_time_us for c in node.children.values()) <= node.device_time_us + 1e-6
+
+
+def test_cpu_tree_attributes_by_time_and_keeps_unattributed():
+    root = tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)
+    model = root.children[("module", "")]
+    proj = model.children[("module", "layers.0")].children[("module", "layers.0.proj")]
+    kernels = {c.name: c for c in proj.children.values()}
+    # linear's own 10 ns and mm's 30 ns are each a leaf; mm's trace says where it came from.
+    assert kernels["aten::mm"].device_time_us == pytest.approx(0.030)
+    assert kernels["aten::mm"].trace == "aten::linear > aten::mm" and kernels["aten::mm"].category == "gemm"
+    assert kernels["aten::linear"].device_time_us == pytest.approx(0.010)
+    assert proj.device_time_us == pytest.approx(0.040) and proj.params == [("weight", [4, 4])]
+    assert model.device_time_us == pytest.approx(0.040 + 0.050 + 0.020)  # layers and its own mul
+    unattributed = root.children[("unattributed",)]
+    assert unattributed.device_time_us == pytest.approx(0.040)  # the cat before the model ran
+    assert root.device_time_us == pytest.approx(0.150)
+    _children_within_parent(root)
+    attributed, in_layers = tree.coverage(root)
+    assert attributed == pytest.approx(100 * 0.110 / 0.150)
+    assert in_layers == pytest.approx(100 * 0.090 / 0.110)
+
+
+def test_summary_merges_layers_and_mean_averages_windows():
+    root = tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)
+    summary = tree.summary_tree(root)
+    layers = summary.children[("module", "")].children[("module", "layers.*")]
+    assert layers.name == "layers.*" and layers.invocations == 2
+    assert layers.device_time_us == pytest.approx(0.090)
+    mean = tree.mean_tree([root, tree.model_tree(_cpu_window(), "decode_2", CATEGORIES)], "decode")
+    assert mean.device_time_us == pytest.approx(root.device_time_us)
+    model = next(c for c in mean.children.values() if c.kind == "module" and c.fqn == "")
+    assert model.invocations == 1 and model.device_time_us == pytest.approx(0.110)
+
+
+def test_gpu_window_tree_places_kernels_at_their_launch():
+    """Kernels count as device time where they were launched; a CUDA graph replay's kernels all
+    sit under the runner that launched the graph."""
+    window = Window(
+        modules=[
+            ModuleSpan("lm", "GraphModule", [], 100, 500),
+            ModuleSpan("lm.cuda_graph_runner", "CUDAGraphRunner", [], 110, 490),
+        ],
+        ops=[_op("aten::copy_", 120, 130), _op("aten::argmax", 600, 610)],
+        device=[
+            DeviceEvent("gemm_kernel", 7000, 150, None),
+            DeviceEvent("rms_norm_kernel", 3000, 150, None),
+            DeviceEvent("argmax_kernel", 500, 605, None),
+        ],
+        on_device=True,
+    )
+    root = tree.model_tree(window, "decode_1", CATEGORIES)
+    runner = root.children[("module", "lm")].children[("module", "lm.cuda_graph_runner")]
+    assert runner.device_time_us == pytest.approx(10.0)
+    assert {c.category for c in runner.children.values()} == {"gemm", "norm"}
+    assert root.children[("unattributed",)].device_time_us == pytest.approx(0.5)
+
+
+class _Event(SimpleNamespace):
+    """A stand-in for the profiler's _ProfilerEvent."""
+
+    def __init__(self, tag, name, start, end, children=(), correlation=0, module=None, tid=1):
+        super().__init__(
+            tag=tag,
+            name=name,
+            start_time_ns=start,
+            end_time_ns=end,
+            children=list(children),
+            correlation_id=correlation,
+            start_tid=tid,
+            extra_fields=SimpleNamespace(module=module, inputs=[]),
+        )
+
+
+class _Kineto:
+    def __init__(self, name, correlation, duration, device=DeviceType.CUDA):
+        self._name, self._correlation, self._duration, self._device = name, correlation, duration, device
+
+    def name(self):
+        return self._name
+
+    def correlation_id(self):
+        return self._correlation
+
+    def duration_ns(self):
+        return self._duration
+
+    def device_type(self):
+        return self._device
+
+
+def test_read_window_ties_device_events_to_launches():
+    """A kernel in the tree under its launch, and a graph replay's kernels found only by their
+    cudaGraphLaunch's correlation id: both land in the module that launched them."""
+    runner_info = SimpleNamespace(cls_name="CUDAGraphRunner", self_ptr=7, parameters=[])
+    launch_kernel = _Event(
+        _EventType.Kineto, "cudaLaunchKernel", 130, 135, [_Event(_EventType.Kineto, "k_add", 900, 910, correlation=5)],
+        correlation=5,
+    )  # fmt: skip
+    add = _Event(_EventType.TorchOp, "aten::add", 120, 140, [launch_kernel])
+    replay = _Event(_EventType.Kineto, "cudaGraphLaunch", 200, 210, correlation=9)
+    runner = _Event(_EventType.PyCall, "nn.Module: CUDAGraphRunner_0", 150, 300, [replay], module=runner_info)
+    other_thread = _Event(_EventType.PyCall, "threading.py: run", 0, 1000, tid=2)
+    prof = SimpleNamespace(
+        profiler=SimpleNamespace(
+            kineto_results=SimpleNamespace(
+                experimental_event_tree=lambda: [other_thread, add, runner],
+                events=lambda: [
+                    _Kineto("k_add", 5, 10),
+                    _Kineto("gemm", 9, 40),
+                    _Kineto("gemm", 9, 40),
+                    _Kineto("aten::add", 5, 20, DeviceType.CPU),
+                ],
+            )
+        )
+    )
+    window = events.read_window(prof, {7: "lm.cuda_graph_runner"})
+    assert window.on_device and [m.fqn for m in window.modules] == ["lm.cuda_graph_runner"]
+    placed = {(d.name, d.anchor_ns, d.op.name if d.op else None) for d in window.device}
+    assert placed == {("k_add", 130, "aten::add"), ("gemm", 200, None)}
+    assert sum(d.duration_ns for d in window.device) == 90
+    root = tree.model_tree(window, "decode_1", CATEGORIES)
+    assert root.children[("module", "lm.cuda_graph_runner")].device_time_us == pytest.approx(0.080)
+
+
+def test_module_ranges_wrap_graph_nodes_and_leave_no_trace():
+    model, hf_config, examples = build_tiny("tiny_llama3_1_8b")
+    model, _ = graph_capture.capture(model, [""], examples.text)
+    code = model.code
+    expected = model(**examples.text).logits
+    with ranges.module_ranges(model) as paths:
+        assert paths == ["root"]
+        names = [n.args[0] for n in model.graph.nodes if n.target is ranges.ENTER]
+        assert "module::model.layers.1.self_attn.o_proj|Linear" in names
+        assert "module::lm_head|Linear" in names
+        assert sum(n.target is ranges.ENTER for n in model.graph.nodes) == sum(
+            n.target is ranges.EXIT for n in model.graph.nodes
+        )
+        torch.testing.assert_close(model(**examples.text).logits, expected, rtol=0, atol=0)
+    assert model.code == code
+
+
+def test_tables_cut_by_depth_and_top_k():
+    summary = to_dict(tree.summary_tree(tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)))
+    full = tables.format_table(summary, "t")
+    assert "aten::mm" in full and "(unattributed)" in full
+    shallow = tables.format_table(summary, "t", depth=1)
+    assert "layers.*" not in shallow and "Model" in shallow
+    top = tables.format_table(summary, "t", top_k=1)
+    assert "... 1 more" in top
+
+
+def test_bad_kernel_category_regex_is_refused():
+    with pytest.raises(ConfigError, match=r"profile.kernel_categories.gemm"):
+        validate(compose_cfg(["profile.kernel_categories.gemm='(unclosed'"]), cuda_available=False)
+
+
+def _profile(tmp_path, name, overrides, uri):
+    proc = run_pipeline(
+        [
+            "model=tiny_llama3_1_8b",
+            "prompt.batch_size=2",
+            "prompt.prompt_len=12",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            f"tracking.uri={uri}",
+            *overrides,
+        ],
+        tmp_path / name,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / name / "run"
+    return run, json.loads((run / "profile" / "profile.json").read_text()), proc
+
+
+def _modules(node: dict, kind: str = "module") -> set[str]:
+    found = {node["fqn"]} if node["kind"] == kind else set()
+    for child in node["children"]:
+        found |= _modules(child, kind)
+    return found
+
+
+def _check_sums(node: dict) -> None:
+    # profile.json rounds each value to 1e-3 us
+    assert sum(c["device_time_us"] for c in node["children"]) <= node["device_time_us"] + 1e-3 * (
+        1 + len(node["children"])
+    )
+    for child in node["children"]:
+        _check_sums(child)
+
+
+@pytest.mark.slow
+def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
+    model, hf_config, examples = build_tiny("tiny_llama3_1_8b")
+    layers = hf_config.num_hidden_layers
+    eager_modules = set(dict(model.named_modules()))
+    captured, _ = graph_capture.capture(model, [""], examples.text)
+    # The graph runs the eager modules' code (ranges) and export's own helpers (_guards_fn).
+    graph_modules = eager_modules | set(dict(captured.named_modules()))
+    graph_run, graph, proc = _profile(
+        tmp_path, "graph", ["capture=partial", "backend=torch-simple"], tracking_uri
+    )
+    eager_run, eager, _ = _profile(tmp_path, "eager", ["capture=none", "backend=torch-simple"], tracking_uri)
+
+    assert list(graph["phases"]) == ["prefill", "decode_1", "decode_2", "decode"]
+    assert graph["context"]["backend"] == "torch-simple" and graph["schema_version"] == 1
+    for profile, real_modules in ((graph, graph_modules), (eager, eager_modules)):
+        for phase in profile["phases"].values():
+            _check_sums(phase["model_stats"])
+            _check_sums(phase["summary_stats"])
+            names = {n for n in _modules(phase["model_stats"]) if not n.startswith("demollm.")}
+            assert names <= real_modules, names - real_modules
+            assert {f"model.layers.{i}" for i in range(layers)} <= names
+            summary_layers = [
+                c for c in phase["summary_stats"]["children"] if c["kind"] == "module"
+            ]  # the model's root, then its layers merged
+            assert any(
+                g["fqn"] == "model.layers.*" and g["invocations"] == layers
+                for r in summary_layers
+                for m in r["children"]
+                for g in m["children"]
+            )
+    # The same decoder layers and, inside them, no module eager does not have.
+    graph_layers = {n for n in _modules(graph["phases"]["prefill"]["model_stats"]) if ".layers." in n}
+    eager_layers = {n for n in _modules(eager["phases"]["prefill"]["model_stats"]) if ".layers." in n}
+    assert {f"model.layers.{i}.self_attn" for i in range(layers)} <= graph_layers <= eager_layers
+
+    _, runs = mlflow_runs(tracking_uri)
+    metrics = next(r for r in runs if r.data.tags["capture"] == "partial").data.metrics
+    assert metrics["profile/windows"] == 3 and metrics["profile/overhead_ratio"] > 0
+    assert metrics["profile/coverage_pct"] > 95 and metrics["profile/layer_coverage_pct"] > 85
+
+    # The re-print tool prints what the stage printed.
+    from pipeline.tools.print_table import main as print_table
+
+    printed = (graph_run / "profile" / "tables.txt").read_text()
+    cfg = compose_cfg()
+    for phase, table in (("prefill", "summary"), ("decode", "model")):
+        expected = tables.phase_table(graph, phase, table, cfg.profile.table_depth, cfg.profile.table_top_k)
+        assert expected in printed
+    rows = list(csv.DictReader((graph_run / "profile" / "model_stats.csv").open()))
+    by_id = {r["id"]: r for r in rows if r["phase"] == "decode_1"}
+    assert all(
+        int(by_id[r["parent_id"]]["depth"]) == int(r["depth"]) - 1 for r in by_id.values() if r["parent_id"]
+    )
+    trace = json.loads((graph_run / "traces" / "decode_1.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("ProfilerStep#") for n in names)
+    assert "module::model.layers.0.self_attn|LlamaAttention" in names
+    assert print_table(["--json-trace", str(graph_run / "profile" / "profile.json"), "--phase", "nope"]) == 2
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_group_under_the_runner(tmp_path, tracking_uri):
+    run, profile, proc = _profile(
+        tmp_path, "graphs", ["capture=partial", "backend=torch-cudagraph"], tracking_uri
+    )
+    assert "CUDAGraphRunner" in proc.stderr
+    decode = profile["phases"]["decode_1"]["model_stats"]
+
+    def find(node):
+        if node["cls"] == "CUDAGraphRunner":
+            return node
+        return next((f for c in node["children"] if (f := find(c))), None)
+
+    runner = find(decode)
+    assert runner is not None and runner["device_time_us"] > 0.5 * decode["device_time_us"]
+    assert any(c["kind"] == "kernel" for c in runner["children"])

@@ -1,0 +1,199 @@
+"""The report: breakdown data, the Markdown/HTML document, plots redrawn from a saved profile, and
+a run's report and images, also when the run failed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import mlflow_runs, run_pipeline
+
+from pipeline.report.breakdown import breakdown, kernel_times, module_buckets, top_k
+from pipeline.report.document import Image, Pre, Section, Table, to_html, to_markdown
+
+
+def _node(fqn, kind, us, children=(), name=None, category=""):
+    return {
+        "fqn": fqn,
+        "kind": kind,
+        "name": name or fqn.rsplit(".", 1)[-1],
+        "device_time_us": us,
+        "category": category,
+        "children": list(children),
+    }
+
+
+SUMMARY = _node(
+    "",
+    "phase",
+    100.0,
+    [
+        _node(
+            "demollm.step_inputs",
+            "module",
+            5.0,
+            [_node("", "kernel", 5.0, name="aten::cat", category="memory")],
+        ),
+        _node(
+            "",
+            "module",
+            90.0,
+            [
+                _node(
+                    "lm.layers.*",
+                    "module",
+                    70.0,
+                    [
+                        _node(
+                            "lm.layers.*.self_attn",
+                            "module",
+                            40.0,
+                            [_node("", "kernel", 40.0, name="mm", category="gemm")],
+                        ),
+                        _node(
+                            "lm.layers.*.mlp",
+                            "module",
+                            25.0,
+                            [_node("", "kernel", 25.0, name="mm", category="gemm")],
+                        ),
+                    ],
+                ),
+                _node("lm_head", "module", 15.0, [_node("", "kernel", 15.0, name="mm", category="gemm")]),
+            ],
+            name="Model",
+        ),
+        _node(
+            "(unattributed)",
+            "unattributed",
+            5.0,
+            [_node("", "kernel", 5.0, name="aten::add", category="elementwise")],
+        ),
+    ],
+)
+
+
+def test_module_buckets_split_layers_into_their_children():
+    buckets = module_buckets(SUMMARY)
+    assert buckets == {
+        "demollm.step_inputs": 5.0,
+        "lm.layers.*.self_attn": 40.0,
+        "lm.layers.*.mlp": 25.0,
+        "lm.layers.* (self)": 5.0,
+        "lm_head": 15.0,
+        "Model (self)": 5.0,
+        "(unattributed)": 5.0,
+    }
+    assert sum(buckets.values()) == pytest.approx(SUMMARY["device_time_us"])
+    assert module_buckets(SUMMARY, depth=1) == {
+        "demollm.step_inputs": 5.0,
+        "Model": 90.0,
+        "(unattributed)": 5.0,
+    }
+    assert kernel_times(SUMMARY, "category") == {"memory": 5.0, "gemm": 80.0, "elementwise": 5.0}
+    assert top_k({"a": 3.0, "b": 2.0, "c": 1.0}, 1) == {"a": 3.0, "others": 3.0}
+
+
+def test_breakdown_uses_the_same_parts_in_every_phase():
+    profile = {"phases": {"prefill": {"summary_stats": SUMMARY}, "decode": {"summary_stats": SUMMARY}}}
+    data = breakdown(profile, "module", top=2)
+    assert list(data) == ["prefill", "decode"]
+    assert list(data["prefill"]) == ["lm.layers.*.self_attn", "lm.layers.*.mlp", "others"]
+    assert data["decode"]["others"] == pytest.approx(0.035)  # ms
+    with pytest.raises(ValueError, match="level"):
+        breakdown(profile, "bogus")
+
+
+def test_document_renders_markdown_and_self_contained_html(tmp_path):
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"\x89PNG fake")
+    sections = [
+        Section("Summary", ["FAILED at stage 'profile': boom", Table(["a", "b"], [[1, 0.5], ["x|y", 2.0]])]),
+        Section("Profile", [Pre("table <text>"), Image(png, "a plot")]),
+    ]
+    md = to_markdown("Title", sections, tmp_path)
+    assert "| a | b |" in md and "x\\|y" in md and "![a plot](plot.png)" in md
+    page = to_html("Title", sections)
+    assert "data:image/png;base64," in page and "table &lt;text&gt;" in page and "class='failed'" in page
+    assert "plot.png" not in page  # nothing outside the file
+
+
+@pytest.mark.slow
+def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
+    args = [
+        "model=tiny_mistral3",
+        "prompt.batch_size=2",
+        "prompt.prompt_len=12",
+        "prompt.output_len=4",
+        "profile.decode_steps=2",
+        "report.formats=[png,pdf]",
+        f"tracking.uri={tracking_uri}",
+    ]
+    proc = run_pipeline(args, tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "ok" / "run"
+    for key in ("module_breakdown", "kernel_categories", "kernel_top"):
+        assert (run / "plots" / f"{key}.png").stat().st_size > 10_000
+        assert (run / "plots" / f"{key}.pdf").exists()
+    md = (run / "report" / "report.md").read_text()
+    for heading in ("Configuration", "Stages", "Export", "Transforms", "Capture", "Correctness", "Profile"):
+        assert f"## {heading}" in md
+    assert "model.multi_modal_projector" in md  # what stayed eager
+    html = (run / "report" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3
+    console = proc.stdout + proc.stderr
+    assert "summary: report:" in console and "decode" in console.split("summary:")[-2]
+
+    client, runs = mlflow_runs(tracking_uri)
+    artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+    assert {"report", "plots", "profile", "traces"} <= artifacts
+    images = {a.path for a in client.list_artifacts(runs[0].info.run_id, "images")}
+    assert any("breakdown_module_breakdown" in p for p in images), images
+
+    # The same plot redrawn from the saved profile, as the seed's tool does.
+    from pipeline.tools.visualize import main as visualize
+
+    out = tmp_path / "again.svg"
+    assert (
+        visualize(
+            ["--json-trace", str(run / "profile" / "profile.json"), "--level", "module", "--output", str(out)]
+        )
+        == 0
+    )
+    assert out.read_text().startswith("<?xml")
+    assert (
+        visualize(
+            [
+                "--json-trace",
+                str(run / "profile" / "profile.json"),
+                "--phase",
+                "decode_9",
+                "--output",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    assert visualize(["--json-trace", str(tmp_path / "missing.json"), "--output", str(out)]) == 2
+
+
+@pytest.mark.slow
+def test_a_failed_run_gets_a_report_of_what_it_reached(tmp_path, tracking_uri):
+    proc = run_pipeline(
+        [
+            "model=tiny_llama3_1_8b",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
+        env={"PIPELINE_INJECT_FAULT": "profile"},
+    )
+    assert proc.returncode == 1
+    run = tmp_path / "run"
+    md = (run / "report" / "report.md").read_text()
+    assert "FAILED at stage 'profile'" in md and "| generate | done |" in md and "| profile | failed |" in md
+    assert "latency/decode_ms" in md
+    client, runs = mlflow_runs(tracking_uri)
+    assert runs[0].info.status == "FAILED" and runs[0].data.tags["failed_stage"] == "profile"
+    assert "report" in {a.path for a in client.list_artifacts(runs[0].info.run_id)}
+    assert json.loads((run / "generation" / "tokens.json").read_text())
