@@ -23,6 +23,7 @@ class ModelInfo:
     is_vlm: bool
     language_model_paths: list[str]  # where the decoder stack sits inside the model
     source: str  # "random (seed N)" or the checkpoint folder
+    decode_bytes: int = 0  # weights one decode step reads (language model and lm_head)
 
 
 @dataclass

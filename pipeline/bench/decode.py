@@ -19,21 +19,11 @@ from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
+from pipeline.models.memory import decode_weight_bytes
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.transforms import registry
-
-
-def _decode_bytes(model: torch.nn.Module, lm_path: str) -> int:
-    """Weights one decode step reads: the decoder layers and final norm (not the input embedding,
-    of which a step reads B rows) and the lm_head."""
-    lm = model.get_submodule(lm_path) if lm_path else model
-    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
-    params = {id(p): p for p in lm.parameters() if id(p) not in embedding}
-    head = model.get_output_embeddings()
-    params |= {id(p): p for p in head.parameters()}
-    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -72,7 +62,7 @@ def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, rep
     model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed=0)
     text_config = zoo.text_config_of(hf_config)
     lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
-    weight_bytes = _decode_bytes(model, lm_paths[0])
+    weight_bytes = decode_weight_bytes(model, lm_paths[0])
     generator = torch.Generator().manual_seed(0)
     prompts = {
         b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)

@@ -13,6 +13,25 @@ from pipeline.errors import ConfigError
 HEADROOM = 1.1  # activations, the transient copy when GEMMs are fused, allocator slack
 
 
+def human_count(n: int) -> str:
+    """2.89 B, 210.24 K: parameter counts as people say them."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def decode_weight_bytes(model: torch.nn.Module, lm_path: str) -> int:
+    """Weights one decode step reads, on the eager model: the language model's decoder layers and
+    final norm and the lm_head; not the input embedding (a step reads B of its rows) nor a vision
+    tower. A mixture of experts counts every expert (a batch can route to all)."""
+    lm = model.get_submodule(lm_path) if lm_path else model
+    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    params = {id(p): p for p in lm.parameters() if id(p) not in embedding}
+    params |= {id(p): p for p in model.get_output_embeddings().parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.models.memory import human_count
 from pipeline.profiler.tables import phase_table
 from pipeline.report.document import Image, Pre, Section, Table, write
 from pipeline.state import RunState
@@ -66,7 +67,7 @@ def _config_table(state: RunState) -> Table:
     cfg, info = state.cfg, state.model_info
     rows: list[list[Any]] = [
         ["model", f"{cfg.model.name} ({info.architecture if info else cfg.model.architecture})"],
-        ["parameters", _count(info.params) if info else "not loaded"],
+        ["parameters", human_count(info.params) if info else "not loaded"],
         ["weights", info.source if info else "-"],
         ["capture", cfg.capture.mode],
         ["backend", f"{state.backend} (backend={cfg.backend.name})"],
@@ -79,14 +80,6 @@ def _config_table(state: RunState) -> Table:
         ],
     ]
     return Table(["setting", "value"], rows)
-
-
-def _count(n: int) -> str:
-    return next(
-        f"{n / scale:.2f} {unit}"
-        for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
-        if n >= scale
-    )
 
 
 def _first_line(notes: list[str]) -> str:

@@ -56,6 +56,8 @@ def run(state: RunState) -> StageResult:
         "latency/decode_ms": statistics.median(decode),
         "latency/decode_p90_ms": statistics.median(g.decode_p90_ms for g in runs),
         "throughput/decode_tok_s": statistics.median(g.decode_tok_s for g in runs),
+        # Weights read per step / step time: how close decode runs to the memory bandwidth.
+        "throughput/decode_gbs": state.model_info.decode_bytes / (statistics.median(decode) / 1000) / 1e9,
         "generation/requests": len(requests),
         "generation/tokens": sum(len(t) for t in generation.tokens.values()),
     }
@@ -71,7 +73,8 @@ def run(state: RunState) -> StageResult:
         f"{runner}: {len(requests)} requests, prompts of {sorted({len(r.prompt) for r in requests})} tokens, "
         f"{metrics['generation/tokens']} tokens generated",
         f"prefill {metrics['latency/prefill_ms']:.1f} ms; decode {metrics['latency/decode_ms']:.2f} ms/step "
-        f"(p90 {metrics['latency/decode_p90_ms']:.2f}), {metrics['throughput/decode_tok_s']:.1f} tok/s"
+        f"(p90 {metrics['latency/decode_p90_ms']:.2f}), {metrics['throughput/decode_tok_s']:.1f} tok/s, "
+        f"weights read at {metrics['throughput/decode_gbs']:.1f} GB/s"
         + (f"; median of {len(runs)} timed runs" if len(runs) > 1 else "")
         + ("; after a warm-up generation" if warm_up else ""),
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.export.graph_capture import find_language_models
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
+from pipeline.models.memory import decode_weight_bytes, human_count
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.state import ModelInfo, RunState, StageResult
 
@@ -36,6 +37,7 @@ def run(state: RunState) -> StageResult:
         )
         source = f"random (seed {state.cfg.seed})"
     state.model = model
+    lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
     state.tokenizer = load_tokenizer(model_cfg.checkpoint)
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
@@ -43,25 +45,24 @@ def run(state: RunState) -> StageResult:
         bytes=report.bytes,
         init_s=report.seconds,
         is_vlm=zoo.is_vlm(state.hf_config),
-        language_model_paths=find_language_models(model, zoo.text_config_of(state.hf_config)),
+        language_model_paths=lm_paths,
         source=source,
+        decode_bytes=decode_weight_bytes(model, lm_paths[0] if lm_paths else ""),
     )
     state.example_inputs = make_example_inputs(
         state.hf_config, EXAMPLE_BATCH, state.cfg.prompt.image_size, state.dtype, state.device, state.cfg.seed
     )
     info = state.model_info
     return StageResult(
-        metrics={"model/params": info.params, "model/bytes": info.bytes, "time/init_s": info.init_s},
+        metrics={
+            "model/params": info.params,
+            "model/bytes": info.bytes,
+            "model/decode_bytes": info.decode_bytes,
+            "time/init_s": info.init_s,
+        },
         notes=[
-            f"{info.architecture}: {_count(info.params)} parameters, {info.bytes / 2**30:.2f} GiB "
+            f"{info.architecture}: {human_count(info.params)} parameters, {info.bytes / 2**30:.2f} GiB "
             f"{str(state.dtype).removeprefix('torch.')} on {state.device}, weights {source}, init {info.init_s:.1f} s",
             f"language model at: {', '.join(info.language_model_paths) or '(none found)'}",
         ],
     )
-
-
-def _count(n: int) -> str:
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return str(n)
