@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -51,6 +52,22 @@ def job(cfg: DictConfig) -> None:
             raise
         log.exception("job failed")
         _record_failure(cfg, exc)
+    finally:
+        if multirun:
+            _release_memory()
+
+
+def _release_memory() -> None:
+    """Sweep jobs share one process (basic launcher): the next job's memory check must see the
+    memory this job's model held. Dynamo's caches keep compiled graphs (and their weights) alive."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _job_name(hydra_cfg) -> str | None:
@@ -66,30 +83,42 @@ def _record_failure(cfg: DictConfig, exc: BaseException) -> None:
     record_job_failure(cfg, folder, _job_name(hydra_cfg) or folder.name, exc)
 
 
-def _job(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, cuda_available: bool) -> tuple:
+    """Every check that needs no model, in order: (hf_config, model class), or a ConfigError that
+    names the key and the fix."""
     from pipeline.models import zoo
-
-    validate(cfg, _cuda_available())
+    from pipeline.models.tokenizer import has_tokenizer
+    from pipeline.runtime.requests import check_images, check_queries
     from pipeline.transforms import registry
 
+    validate(cfg, cuda_available)
     registry.parse(cfg.transforms)
-    from pipeline.models.tokenizer import has_tokenizer
-    from pipeline.runtime.requests import check_queries
-
     check_queries(cfg.prompt.queries, has_tokenizer(cfg.model.checkpoint))
     hf_config = zoo.build_hf_config(cfg.model)
-    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    check_images(cfg.prompt.images, hf_config)
+    return hf_config, zoo.resolve_model_class(cfg.model, hf_config)
+
+
+def _job(cfg: DictConfig) -> None:
+    hf_config, model_cls = check_config(cfg, _cuda_available())
     if cfg.dry_run:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return
-    from pipeline.models.memory import check_fits
+    from pipeline.models.memory import auto_dtype, check_fits
     from pipeline.runner import Runner, resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
-    check_fits(model_cls, hf_config, cfg.runtime, cfg.model.name, resolve_dtype(cfg.dtype, device), device)
+    note = None
+    if cfg.dtype == "auto":
+        dtype, note = auto_dtype(model_cls, hf_config, cfg.runtime, device)
+    else:
+        dtype = resolve_dtype(cfg.dtype, device)
+    check_fits(model_cls, hf_config, cfg.runtime, cfg.model.name, dtype, device)
+    if note:
+        log.warning(note)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    Runner(cfg, run_dir, hf_config, _job_name(hydra_cfg)).run()
+    Runner(cfg, run_dir, hf_config, _job_name(hydra_cfg), dtype).run()
     log.info("run folder: %s", run_dir)
 
 
@@ -113,10 +142,19 @@ def one_line(exc: BaseException) -> str:
     return ": ".join(parts)
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM ends a run the way Ctrl-C does: the stage stops, the run is marked KILLED."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
     # Exceptions reach this function instead of Hydra's printer, so config mistakes exit 2.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    signal.signal(signal.SIGTERM, _terminated)
     register_schemas()
+    if bad := untrusted_targets(sys.argv[1:]):
+        print(f"config error: {bad}", file=sys.stderr)
+        sys.exit(2)
     try:
         hydra_job()
         if failed := sweep.FAILED_JOBS:
@@ -131,6 +169,19 @@ def main() -> None:
     except RunFailed as exc:
         print(f"run failed: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted: the run is marked KILLED; its folder keeps what was written", file=sys.stderr)
+        sys.exit(130)
+
+
+def untrusted_targets(overrides: list[str]) -> str | None:
+    """Hydra instantiates any `_target_` it is given (callbacks, launchers): one from the command
+    line may only name this package's own classes or Hydra's plugins."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.endswith("_target_") and not value.startswith(("pipeline.", "hydra_plugins.", "hydra.")):
+            return f"{key}={value}: only pipeline.* (and Hydra's own plugins) can be instantiated"
+    return None
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import resolve_attention, resolve_backend
 from pipeline.errors import RunFailed, short_cause
+from pipeline.faults import maybe_pause
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, profile, report, transforms
 from pipeline.state import RunState, StageRecord, StageResult
@@ -58,15 +59,23 @@ def run_name(cfg: DictConfig) -> str:
 
 
 class Runner:
-    def __init__(self, cfg: DictConfig, run_dir: Path, hf_config, name: str | None = None):
-        """name: the MLflow run name (a sweep passes the job's overrides); default from the config."""
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        hf_config,
+        name: str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        """name: the MLflow run name (a sweep passes its swept values); default from the config.
+        dtype: as resolved before loading (dtype=auto may pick bfloat16 to fit); default from cfg."""
         self.name = name or run_name(cfg)
         device = resolve_device(cfg.device)
         self.state = RunState(
             cfg=cfg,
             run_dir=run_dir,
             device=device,
-            dtype=resolve_dtype(cfg.dtype, device),
+            dtype=dtype or resolve_dtype(cfg.dtype, device),
             backend=resolve_backend(cfg, device.type == "cuda"),
             attention=resolve_attention(cfg, device.type == "cuda"),
             hf_config=hf_config,
@@ -101,8 +110,12 @@ class Runner:
             log.info("[%s] ...", name)
             t0 = time.perf_counter()
             try:
+                maybe_pause(name)
                 result = stage(state)
             except KeyboardInterrupt:
+                log.error(
+                    "[%s] interrupted after %.1f s; the run is marked KILLED", name, time.perf_counter() - t0
+                )
                 state.stages.append(
                     StageRecord(name, "killed", time.perf_counter() - t0, cause="interrupted")
                 )

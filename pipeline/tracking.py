@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 class Tracker:
     """One MLflow run. Every call is safe: after the first failure it only writes locally."""
 
@@ -88,9 +99,18 @@ class Tracker:
                 self.run_dir,
             )
         self.unlogged.append(reason)
+        if self.client is not None and self.run_id is not None:
+            # The store took the run but not all of it: say so there and close it, so it never
+            # stays RUNNING or passes for complete (pipeline.tools.sync uploads the folder later).
+            try:
+                self.client.set_tag(self.run_id, "tracking", f"incomplete: {reason}"[:5000])
+                self.client.set_terminated(self.run_id, "FAILED")
+            except Exception:  # the store is gone altogether
+                pass
         self.client = None
         (self.run_dir / "tracking_offline.txt").write_text(
             f"MLflow store: {self.uri}\nNot logged:\n" + "\n".join(self.unlogged) + "\n"
+            f"Upload the finished folder later: python -m pipeline.tools.sync {self.run_dir}\n"
         )
 
     def start(self, run_name: str, tags: dict[str, str], params: dict[str, str]) -> None:
@@ -114,6 +134,8 @@ class Tracker:
                     experiment_id = self.client.get_experiment_by_name(self.experiment).experiment_id
             else:
                 experiment_id = experiment.experiment_id
+            self._close_stale_runs(experiment_id)
+            tags = {**tags, "host": socket.gethostname(), "pid": str(os.getpid())}
             run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
             items = [Param(k, v) for k, v in params.items()]
@@ -122,6 +144,27 @@ class Tracker:
             log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
         except Exception as exc:
             self._offline("starting the run", exc)
+
+    def _close_stale_runs(self, experiment_id: str) -> None:
+        """Runs this host left RUNNING whose process is gone (SIGKILL, a crash, a power cut) are
+        marked FAILED, so the store never shows a dead run as running."""
+        host = socket.gethostname()
+        stale = self.client.search_runs(
+            [experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.host = '{host}'"
+        )
+        for run in stale:
+            pid = int(run.data.tags.get("pid", "0") or 0)
+            if pid and _alive(pid):
+                continue
+            self.client.set_tag(
+                run.info.run_id, "error", f"process {pid} on {host} ended without closing the run"
+            )
+            self.client.set_terminated(run.info.run_id, "FAILED")
+            log.warning(
+                "run %s (pid %d) was left RUNNING by a process that is gone: marked FAILED",
+                run.info.run_id,
+                pid,
+            )
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         if not self.active or not metrics:

@@ -168,3 +168,19 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(monkeypatch):
             model_cls, hf_config, cfg.runtime, "llama4_scout", torch.float32, torch.device("cpu")
         )
     memory.check_fits(model_cls, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device("cpu"))
+
+
+def test_dtype_auto_picks_bfloat16_on_cpu_only_when_float32_does_not_fit(monkeypatch):
+    from pipeline.models import memory
+
+    cfg = compose_cfg(["model=llama4_scout"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10**9)
+    dtype, note = memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu)
+    assert dtype == torch.bfloat16 and "float32 would need about" in note
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 100 * 10**9)
+    assert memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu) == (torch.float32, None)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 5 * 10**9)  # neither fits: check_fits says so
+    assert memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu) == (torch.float32, None)

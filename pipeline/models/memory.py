@@ -57,12 +57,31 @@ def kv_cache_bytes(hf_config, cfg_runtime, dtype: torch.dtype) -> int:
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
 
 
+def _needed(params: int, hf_config, cfg_runtime, dtype: torch.dtype) -> float:
+    return (params * dtype.itemsize + kv_cache_bytes(hf_config, cfg_runtime, dtype)) * HEADROOM
+
+
+def auto_dtype(model_cls: type, hf_config, cfg_runtime, device) -> tuple[torch.dtype, str | None]:
+    """dtype=auto: bfloat16 on CUDA; on CPU float32, or bfloat16 (with a note saying so) when only
+    that fits the free memory."""
+    if device.type == "cuda":
+        return torch.bfloat16, None
+    params, free = count_parameters(model_cls, hf_config), free_bytes(device)
+    need = _needed(params, hf_config, cfg_runtime, torch.float32)
+    if need <= free or _needed(params, hf_config, cfg_runtime, torch.bfloat16) > free:
+        return torch.float32, None
+    return torch.bfloat16, (
+        f"dtype=auto chose bfloat16: float32 would need about {need / 1e9:.1f} GB and "
+        f"{free / 1e9:.1f} GB is free (dtype=float32 to insist)"
+    )
+
+
 def check_fits(model_cls: type, hf_config, cfg_runtime, model_name: str, dtype: torch.dtype, device) -> None:
     params = count_parameters(model_cls, hf_config)
-    need = (params * dtype.itemsize + kv_cache_bytes(hf_config, cfg_runtime, dtype)) * HEADROOM
+    need = _needed(params, hf_config, cfg_runtime, dtype)
     free = free_bytes(device)
     if need > free:
-        half = (params * 2 + kv_cache_bytes(hf_config, cfg_runtime, torch.bfloat16)) * HEADROOM
+        half = _needed(params, hf_config, cfg_runtime, torch.bfloat16)
         hint = (
             f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
             if dtype.itemsize > 2 and half <= free

@@ -62,6 +62,24 @@ def _check_keys(values: Mapping[str, Any], config_cls: type, key_prefix: str) ->
             _check_keys(value, sub_cls, f"{key_prefix}.{key}")
 
 
+def _check_against_checkpoint(saved: dict, overrides: dict, folder: str, prefix: str = "") -> None:
+    """model_kwargs may keep fewer layers than a checkpoint has (its first N load); any other
+    difference would load weights into a different model (HF random-inits what is missing)."""
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(saved.get(key), dict):
+            _check_against_checkpoint(saved[key], value, folder, f"{name}.")
+            continue
+        if key not in saved or saved[key] == value:
+            continue
+        if key == "num_hidden_layers" and isinstance(value, int) and 0 < value <= saved[key]:
+            continue
+        raise ConfigError(
+            f"model.model_kwargs.{name}={value} disagrees with the checkpoint's config.json ({saved[key]}) in "
+            f"{folder}; drop the override (only fewer num_hidden_layers may be loaded from a checkpoint)"
+        )
+
+
 def hf_config_values(model_cfg: DictConfig) -> dict[str, Any]:
     """The config.json dict this run builds from: checkpoint or hf_config, then model_kwargs."""
     if model_cfg.checkpoint:
@@ -71,6 +89,7 @@ def hf_config_values(model_cfg: DictConfig) -> dict[str, Any]:
                 f"model.checkpoint={model_cfg.checkpoint} has no config.json; point it at a Hugging Face model folder"
             )
         base = json.loads(config_file.read_text())
+        _check_against_checkpoint(base, _plain(model_cfg.model_kwargs), model_cfg.checkpoint)
     else:
         base = _plain(model_cfg.hf_config)
     return deep_merge(base, _plain(model_cfg.model_kwargs))

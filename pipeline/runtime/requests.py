@@ -60,11 +60,31 @@ def check_queries(queries, has_tokenizer: bool) -> None:
     """Before any model is built: queries that need a tokenizer need a local one."""
     for index, query in enumerate(_plain(queries) or []):
         _refuse_urls(query, index)
+        if query in ("", [], {}) or (isinstance(query, dict) and not query.get("prompt", "x")):
+            raise ConfigError(f"prompt.queries[{index}] is empty; give it text, token ids or messages")
         is_ids = isinstance(query, list | tuple) and all(isinstance(t, int) for t in query)
         if not is_ids and not has_tokenizer:
             raise ConfigError(
                 f"prompt.queries[{index}] is text, and no tokenizer is available offline: give token id lists, "
                 "or set model.checkpoint to a local folder with a tokenizer"
+            )
+
+
+def check_images(paths, hf_config) -> None:
+    """Before any model is built: each local image opens, and holds at least one patch of the
+    model's vision tower (its preprocessing converts mode and size, but not from nothing)."""
+    vision = getattr(hf_config, "vision_config", None)
+    for index, path in enumerate(paths or []):
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except OSError as exc:
+            raise ConfigError(f"prompt.images[{index}]={path} cannot be read as an image: {exc}") from None
+        patch = getattr(vision, "patch_size", 1) if vision is not None else 1
+        if min(width, height) < patch:
+            raise ConfigError(
+                f"prompt.images[{index}]={path} is {width}x{height} pixels, smaller than one {patch}-pixel patch "
+                "of this model's vision tower; use a larger image"
             )
 
 

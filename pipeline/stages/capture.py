@@ -15,6 +15,17 @@ from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import find_graphs
 
 
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(state: RunState) -> StageResult:
     graphs = find_graphs(state.model)
     result = StageResult(notes=[f"backend {state.backend} (backend={state.cfg.backend.name})"])
@@ -47,9 +58,12 @@ def run(state: RunState) -> StageResult:
             raise StageFailure(cause)
     except Exception as exc:
         cause = short_cause(exc)
+        # Whatever the attempt held (compiled code, captured graphs, their memory pools) goes now,
+        # so a fallback, or the next job of a sweep, has the memory back.
+        backends.remove(targets)
+        _free_memory()
         if state.cfg.backend.fallback != "eager":
             raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
-        backends.remove(targets)
         result.tags["capture_fallback"] = "true"
         result.notes.append(
             f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"

@@ -65,7 +65,11 @@ def parse(transforms_cfg: DictConfig | dict | None) -> list[Transform]:
             config = OmegaConf.merge(OmegaConf.structured(cls.Config), options or {})
         except OmegaConfBaseException as exc:
             detail = str(exc).splitlines()[0]
-            raise ConfigError(f"transforms.{name}: {detail}") from None
+            key = getattr(exc, "key", None)
+            where = f"transforms.{name}.{key}" if key else f"transforms.{name}"
+            raise ConfigError(
+                f"{where}: {detail}; see the options of {name} in conf/transforms/default.yaml"
+            ) from None
         if config.scope not in SCOPES:
             raise ConfigError(
                 f"transforms.{name}.scope={config.scope} is not a scope; use one of: {', '.join(SCOPES)}"
