@@ -44,6 +44,29 @@ def test_an_artifact_store_that_cannot_be_written_keeps_the_run_local_then_sync(
     assert sync([str(tmp_path)]) == 2  # not a run folder
 
 
+def test_a_locked_sqlite_store_leaves_the_run_local(tmp_path, tracking_uri):
+    import sqlite3
+
+    run_pipeline(
+        ["model=tiny_llama3_1_8b", "dry_run=true", f"tracking.uri={tracking_uri}"], tmp_path / "init"
+    )
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).search_experiments()  # the schema exists
+    lock = sqlite3.connect(tmp_path / "mlflow.db", timeout=1)
+    lock.execute("BEGIN EXCLUSIVE")  # another process holds the database
+    try:
+        proc = run_pipeline([*LIGHT, f"tracking.uri={tracking_uri}"], tmp_path, timeout=600)
+    finally:
+        lock.rollback()
+        lock.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "locked" in (tmp_path / "run" / "tracking_offline.txt").read_text()
+    assert (tmp_path / "run" / "summary.json").exists() and (
+        tmp_path / "run" / "report" / "report.html"
+    ).exists()
+
+
 def _sweep(tmp_path, uri: str) -> subprocess.CompletedProcess:
     return run_pipeline(
         [
