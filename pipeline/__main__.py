@@ -88,7 +88,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> tuple:
     names the key and the fix."""
     from pipeline.models import zoo
     from pipeline.models.tokenizer import has_tokenizer
-    from pipeline.runtime.requests import check_images, check_queries
+    from pipeline.runtime.requests import check_images, check_queries, check_workload
     from pipeline.transforms import registry
 
     validate(cfg, cuda_available)
@@ -96,6 +96,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> tuple:
     check_queries(cfg.prompt.queries, has_tokenizer(cfg.model.checkpoint))
     hf_config = zoo.build_hf_config(cfg.model)
     check_images(cfg.prompt.images, hf_config)
+    check_workload(cfg, hf_config)
     return hf_config, zoo.resolve_model_class(cfg.model, hf_config)
 
 

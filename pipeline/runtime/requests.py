@@ -88,6 +88,17 @@ def check_images(paths, hf_config) -> None:
             )
 
 
+def check_workload(cfg, hf_config) -> None:
+    """Before any model is built: the generated workload's requests can be made (room for text
+    beside each distinct image, input and sequence limits). Each distinct image is preprocessed
+    once, on CPU; no model is needed."""
+    if cfg.prompt.queries:
+        return  # checked by check_queries; tokenizing needs the checkpoint's tokenizer
+    probe = OmegaConf.masked_copy(cfg, ["prompt", "runtime", "seed"])
+    probe.prompt.batch_size = max(1, min(cfg.prompt.batch_size, len(cfg.prompt.images or [None])))
+    build_requests(probe, hf_config, torch.float32, torch.device("cpu"))
+
+
 def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Request]:
     prompt = cfg.prompt
     text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -109,7 +120,8 @@ def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Reques
             if text_len < 1:
                 raise ConfigError(
                     f"prompt.prompt_len={prompt.prompt_len} leaves no room for text beside the image's "
-                    f"{len(image_tokens)} tokens; raise it"
+                    f"{len(image_tokens)} tokens; set prompt.prompt_len>={len(image_tokens) + 1} or a smaller "
+                    "prompt.image_size"
                 )
             ids = random_ids((text_len,), text_config.vocab_size, special_ids(hf_config), generator).tolist()
             half = len(ids) // 2
