@@ -20,6 +20,7 @@ import torch
 
 from pipeline import REPO_ROOT
 from pipeline.bench import decode, pipeline_run, prefill
+from pipeline.bench.limits import read_bandwidth_gbs
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
@@ -123,6 +124,8 @@ def gpu_markdown(gpu: dict) -> list[str]:
     ]
     for result in gpu["backends"]:
         lines += ["", *decode.backends_markdown(result, GPU_TARGET)]
+    if gpu.get("notes"):  # what was learned from that run, written beside its numbers
+        lines += ["", *[f"- {note}" for note in gpu["notes"]]]
     return lines
 
 
@@ -252,13 +255,19 @@ def main() -> None:
         print("\n".join(gpu_markdown(gpu)))
         return
     batches = [int(b) for b in args.decode_batches.split(",")]
+    # First, while this process holds no model: the whole run (its memory check must see the
+    # machine's free memory) and the read bandwidth.
+    whole_run = pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"])
+    bandwidth = read_bandwidth_gbs()
     results = {
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "model": args.model,
         "load": bench_load(args.model, args.repeats, not args.no_reference),
         "export": bench_export(args.model, args.repeats),
-        "decode": decode.bench_decode(args.model, batches, args.prompt_len, args.decode_steps, args.repeats),
+        "decode": decode.bench_decode(
+            args.model, batches, args.prompt_len, args.decode_steps, args.repeats, bandwidth
+        ),
         # The small configuration only: on this 24 GiB machine the default configuration's HF static
         # cache + torch.compile row (2.9 B float32, Inductor) ran the process out of memory.
         "backends": [
@@ -277,7 +286,7 @@ def main() -> None:
         "prefill": prefill.bench_prefill(
             args.model, [int(t) for t in args.prefill_tokens.split(",")], args.repeats
         ),
-        "run": pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"]),
+        "run": whole_run,
     }
     plot(results, args.plot)
     results["plot"] = (

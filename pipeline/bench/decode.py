@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from pipeline.bench.limits import read_bandwidth_gbs
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
 from pipeline.models import build, zoo
@@ -55,7 +54,10 @@ def _hf_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[f
     )
 
 
-def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, repeats: int) -> dict:
+def bench_decode(
+    name: str, batches: list[int], prompt_len: int, steps: int, repeats: int, bandwidth: float
+) -> dict:
+    """bandwidth: the read bandwidth measured at the start of the run, before any model was loaded."""
     cfg = compose([f"model={name}"])
     hf_config = zoo.build_hf_config(cfg.model)
     model_cls = zoo.resolve_model_class(cfg.model, hf_config)
@@ -81,7 +83,6 @@ def bench_decode(name: str, batches: list[int], prompt_len: int, steps: int, rep
         ours[b], _ = _demollm_step_s(engine, prompts[b], steps, repeats)
     del model, engine
     gc.collect()
-    bandwidth = read_bandwidth_gbs()
     rows = []
     for b in batches:
         rows.append(

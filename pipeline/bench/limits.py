@@ -14,7 +14,9 @@ def _sync(device: torch.device) -> None:
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device | None = None) -> float:
-    """A large float32 reduction: bytes read / time, median after a warm-up."""
+    """A large float32 reduction: bytes read / time, best of repeats after a warm-up (the limit
+    is what the machine can do; slower repeats are interference). Measure it before loading a
+    model: with most of the memory freshly freed, it read 4x lower here."""
     device = device or torch.device("cpu")
     x = torch.ones(int(gib * 2**30) // 4, device=device)
     x.sum()
@@ -25,7 +27,7 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device 
         x.sum()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / min(times) / 1e9
 
 
 def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
