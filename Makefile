@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(PY) -m pipeline model=mistral3 capture=partial $(ARGS)
 
+# Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute.
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
 # A ready example: every capture mode x two CPU backends on a tiny VLM (capture=full fails, by design).
 sweep: setup
