@@ -121,3 +121,26 @@ def test_config_mistakes_on_the_command_line_exit_2_with_one_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("config error:"), (overrides, lines)
         assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_configs_that_validate_run_on_a_tiny_model(tmp_path):
+    """Valid draws from the same groups and keys run end to end (seeded, so the same three every
+    run; each is a whole pipeline, so three, not five hundred)."""
+    import random
+
+    rng = random.Random(0)
+    for i in range(3):
+        overrides = [
+            f"model={rng.choice([m for m in GROUPS['model'] if m.startswith('tiny_')])}",
+            f"capture={rng.choice(['none', 'partial'])}",
+            f"backend={rng.choice(['auto', 'torch-simple', 'torch-compile'])}",
+            f"attention={rng.choice(['auto', 'torch'])}",
+            f"prompt.batch_size={rng.randint(1, 3)}",
+            f"prompt.prompt_len={rng.randint(8, 40)}",
+            f"prompt.output_len={rng.randint(1, 4)}",
+            f"profile.decode_steps={rng.randint(1, 2)}",
+            f"seed={rng.randint(0, 1000)}",
+        ]
+        assert _outcome(overrides) is None, overrides
+        proc = run_pipeline([*overrides, "tracking.enabled=false"], tmp_path / str(i))
+        assert proc.returncode == 0, (overrides, proc.stderr[-2000:])
