@@ -151,6 +151,11 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value} is not known; use one of: {', '.join(allowed)}")
 
 
+# Sanity limits, so that a typo cannot ask for terabytes before anything is built.
+MAX_IMAGE_SIDE = 16384  # pixels
+MAX_SEQ_LEN = 1 << 20  # tokens
+
+
 def _positive(key: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{key}={value} must be positive")
@@ -239,6 +244,12 @@ def validate(cfg: Any, cuda_available: bool) -> None:
         raise ConfigError(f"profile.kernel_categories.{bad}: fix the regular expression")
     if prompt.image_size is not None:
         _positive("prompt.image_size", prompt.image_size)
+        if prompt.image_size > MAX_IMAGE_SIDE:
+            raise ConfigError(
+                f"prompt.image_size={prompt.image_size} is more than {MAX_IMAGE_SIDE} pixels a side; use a smaller image"
+            )
+    if rt.max_seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"runtime.max_seq_len={rt.max_seq_len} is more than {MAX_SEQ_LEN} tokens; lower it")
     for index, path in enumerate(prompt.images or []):
         if "://" in path:
             raise ConfigError(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -88,3 +92,42 @@ def mlflow_runs(uri: str, experiment: str = "pipeline"):
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     return client, ([] if exp is None else client.search_runs([exp.experiment_id]))
+
+
+@contextlib.contextmanager
+def mlflow_server(store_uri: str, *extra: str):
+    """`mlflow server` on a free 127.0.0.1 port for the duration; yields its URL once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            store_uri,
+            *extra,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail("the MLflow server did not come up")
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

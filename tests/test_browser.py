@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, mlflow_runs, run_pipeline
+from conftest import REPO_ROOT, mlflow_runs, mlflow_server, run_pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -30,45 +25,10 @@ FLAGS = [
 SHOTS = REPO_ROOT / "outputs" / "browser"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def ui_server(tmp_path, tracking_uri):
-    port = _free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            tracking_uri,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    pytest.fail("the MLflow UI did not come up")
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def ui_server(tracking_uri):
+    with mlflow_server(tracking_uri) as url:
+        yield url
 
 
 def test_sweep_parent_children_compare_and_plot_in_the_ui(tmp_path, tracking_uri, ui_server):

@@ -4,14 +4,10 @@ what the project exposes (localhost only, no remote code, safetensors only)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
-from conftest import REPO_ROOT, mlflow_runs, run_pipeline
+from conftest import REPO_ROOT, mlflow_runs, mlflow_server, run_pipeline
 
 from pipeline.config import ModelConfig
 from pipeline.tools.sync import main as sync
@@ -107,43 +103,11 @@ def test_parallel_sweeps_lose_no_run_in_the_embedded_store(repeat, tmp_path, tra
 
 
 def test_parallel_sweep_against_a_local_server(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--default-artifact-root",
-            str(tmp_path / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
-                time.sleep(0.5)
-        uri = f"http://127.0.0.1:{port}"
+    store = f"sqlite:///{tmp_path / 'server.db'}"
+    with mlflow_server(store, "--default-artifact-root", str(tmp_path / "artifacts")) as uri:
         proc = _sweep(tmp_path, uri)
         assert proc.returncode == 0, proc.stderr[-2000:]
         _check_sweep(uri, parents=1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_what_the_project_exposes():
