@@ -11,6 +11,7 @@ from pipeline.errors import ConfigError
 from pipeline.export import graph_capture
 from pipeline.models import zoo
 from pipeline.transforms import registry
+from pipeline.transforms.onednn_linear import OneDNNLinear
 
 # Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer; Llama-4's
 # second layer has no RoPE), RMSNorms (2 per layer + final; Llama-4 adds QK-norm on its RoPE layer),
@@ -182,13 +183,11 @@ def test_capture_none_has_no_subgraph_to_transform():
 
 
 def test_model_scope_rmsnorm_swaps_eager_modules():
-    model, _, examples = build_tiny("tiny_mistral3")
-    calls = {"text": examples.text, "image": examples.image}
-    with torch.no_grad():
-        reference = {k: model(**c).logits for k, c in calls.items()}
+    model, calls, reference = _captured("tiny_mistral3")
     history = _run(model, ["transforms=none", "+transforms.match_rmsnorm={scope: model}"])
-    # Language model: 2 per layer + final; Pixtral: ln_pre + 2 per vision layer; projector: 1.
-    assert history.matches("match_rmsnorm") == 5 + 3 + 1
+    # The eager parts only (the language model is the graph): Pixtral's ln_pre + 2 per vision
+    # layer, and the projector's norm.
+    assert history.matches("match_rmsnorm") == 3 + 1
     assert not any(
         type(m).__name__.endswith("RMSNorm") and type(m).__name__ != "CanonicalRMSNorm"
         for m in model.modules()
@@ -220,6 +219,7 @@ def test_switches_from_the_command_line():
         "match_rope",
         "match_rmsnorm",
         "fuse_gemms",
+        "onednn_linear",
         "insert_cached_attention",
     ]
     assert not parsed[4].config.enabled
@@ -227,3 +227,30 @@ def test_switches_from_the_command_line():
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, history)
     assert history.records[4].status == "disabled"
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_onednn_linear_takes_every_linear_with_the_same_weights(name):
+    model, calls, reference = _captured(name)
+    vlm = not isinstance(model, fx.GraphModule)  # a VLM's lm_head stays eager
+    lm_head_weight = model.get_output_embeddings().weight if vlm else None
+    history = _run(model)
+    assert history.matches("onednn_linear") > 0
+    graph = registry.find_graphs(model)[0][1]
+    assert not any(n.target is torch.ops.aten.linear.default for n in graph.graph.nodes)
+    assert not any(type(m) is nn.Linear for m in model.modules())  # eager parts too (scope: model)
+    if vlm:  # swapped, holding the very same Parameter
+        assert isinstance(model.get_output_embeddings(), OneDNNLinear)
+        assert model.get_output_embeddings().weight is lm_head_weight
+    _assert_same(model, calls, reference)
+
+
+@pytest.mark.parametrize(("dtype", "matches"), [(torch.bfloat16, 1), (torch.float16, 0)])
+def test_onednn_linear_dtypes(dtype, matches):
+    """bfloat16 goes to oneDNN and matches F.linear; float16 (no oneDNN kernel here) stays F.linear."""
+    linear = nn.Linear(32, 48).to(dtype)
+    x = torch.randn(1, 5, 32, dtype=dtype)
+    gm = torch.export.export(linear, (x,)).module()
+    transform = registry.TRANSFORMS["onednn_linear"](registry.TransformConfig())
+    assert transform.apply_graph(gm) == matches
+    torch.testing.assert_close(gm(x), linear(x), rtol=1e-2, atol=1e-2)

@@ -7,4 +7,5 @@ from pipeline.transforms import (  # noqa: F401
     match_attention,
     match_rmsnorm,
     match_rope,
+    onednn_linear,
 )

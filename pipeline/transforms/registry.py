@@ -2,7 +2,8 @@
 
 Each transform is a class registered by name with a config dataclass (`enabled`, `scope`,
 `skip_on_error`, its own options). `scope: subgraph` runs once on every captured GraphModule found
-anywhere in the model; `scope: model` runs once on the whole nn.Module, eager parts included.
+anywhere in the model; `scope: model` runs once on the whole nn.Module, eager parts included. A model without a captured
+graph (capture=none) is not transformed at all: it is the eager baseline.
 The list, order and options come from Hydra (`conf/transforms/`), validated here up front.
 """
 
@@ -168,17 +169,14 @@ def run_transforms(model: nn.Module, transforms: list[Transform], history: Trans
         if not config.enabled:
             history.records.append(TransformRecord(transform.name, "-", "disabled", reason="enabled=false"))
             continue
-        if config.scope == "model":
-            targets: list[tuple[str, nn.Module]] = [("model", model)]
-        elif graphs:
-            targets = list(graphs)
-        else:
+        if not graphs:  # capture=none: the eager model is the baseline, left as HF wrote it
             history.records.append(
                 TransformRecord(
                     transform.name, "-", "no target", reason="no captured subgraph (capture=none)"
                 )
             )
             continue
+        targets: list[tuple[str, nn.Module]] = [("model", model)] if config.scope == "model" else graphs
         for name, target in targets:
             history.records.append(_apply_one(transform, name, target))
 
