@@ -27,6 +27,31 @@ def _case(device="cpu", dtype=torch.float32):
     return [t.to(device) for t in (q, k, v, cache, *meta)], history
 
 
+def _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk):
+    """The op as the graph calls it: the step's plan, then the layer's attention."""
+    tokens = torch.ops.pipeline.attention_plan(q, cache, indptr, lens, table)
+    return cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, *tokens, 0.25, window, chunk)
+
+
+def test_plan_places_every_new_token():
+    (q, _, _, cache, indptr, lens, table), _ = _case()
+    seq, offset, pos, slot = torch.ops.pipeline.attention_plan(q, cache, indptr, lens, table)
+    assert seq.tolist() == [0] * 3 + [1] * 12
+    assert offset.tolist() == [0, 1, 2, *range(12)]
+    assert pos.tolist() == [10, 11, 12, *range(12)]
+    # sequence 0's positions 10..12 are in its second page (2); sequence 1's 8..11 in page 0
+    assert slot.tolist() == [
+        2 * PAGE + 2,
+        2 * PAGE + 3,
+        2 * PAGE + 4,
+        *(7 * PAGE + p for p in range(8)),
+        0,
+        1,
+        2,
+        3,
+    ]
+
+
 def _expected(q, k, v, history, window, chunk):
     """Plain SDPA over each sequence's whole key list with the same mask rules."""
     outs = []
@@ -59,10 +84,33 @@ def _expected(q, k, v, history, window, chunk):
 @pytest.mark.parametrize(("window", "chunk"), [(0, 0), (5, 0), (0, 8)], ids=["causal", "window5", "chunk8"])
 def test_backend_matches_plain_attention(backend, window, chunk):
     (q, k, v, cache, indptr, lens, table), history = _case()
-    out = cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, 0.25, window, chunk)
+    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk)
     torch.testing.assert_close(out, _expected(q, k, v, history, window, chunk), rtol=1e-5, atol=1e-5)
     # the new keys landed in their pages: sequence 1's token 9 is in its second page, slot 1
     torch.testing.assert_close(cache[0, 0, 1], k[0, :, 3 + 9])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_step_matches_plain_attention(backend):
+    """One new token per sequence (the torch backend's decode path), histories of 10 and 5 tokens."""
+    generator = torch.Generator().manual_seed(1)
+    cache = torch.zeros(2, 16, PAGE, HKV, D)
+    table = torch.tensor([[5, 2], [7, -1]], dtype=torch.int32)
+    history = [torch.randn(2, n, HKV, D, generator=generator) for n in (10, 5)]
+    for row, h in enumerate(history):
+        for p in range(h.shape[1]):
+            cache[:, table[row, p // PAGE], p % PAGE] = h[:, p]
+    q = torch.randn(1, H, 2, D, generator=generator)
+    k, v = (torch.randn(1, HKV, 2, D, generator=generator) for _ in range(2))
+    indptr, lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
+    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, 0, 0)
+    for row, h in enumerate(history):
+        keys = torch.cat([h[0], k[0, :, row][None]]).transpose(0, 1)  # [Hkv, n + 1, D]
+        values = torch.cat([h[1], v[0, :, row][None]]).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(
+            q[0, :, row : row + 1][None], keys[None], values[None], scale=0.25, enable_gqa=True
+        )
+        torch.testing.assert_close(out[:, :, row : row + 1], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -102,6 +150,6 @@ def test_backends_on_gpu_in_bfloat16(backend):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     (q, k, v, cache, indptr, lens, table), history = _case("cuda", torch.bfloat16)
-    out = cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, 0.25, 0, 0)
+    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, 0, 0)
     expected = _expected(*(t.float().cpu() for t in (q, k, v)), history.float(), 0, 0)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)

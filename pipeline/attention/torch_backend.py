@@ -1,8 +1,8 @@
 """`attention=torch`: the reference cached attention, plain PyTorch, CPU and GPU.
 
-Vectorized over the batch: the new tokens of every sequence are scattered into their pages with
-one indexed write, then each sequence's cached keys are gathered through its page table into a
-padded [B, L, Hkv, D] block and one masked SDPA call covers all sequences (no Python loop over
+Vectorized over the batch: the new tokens of every sequence are scattered into their slots with
+one indexed write, then each sequence's pages are gathered through its page table into a padded
+[B, L, Hkv, D] block and one masked SDPA call covers all sequences (no Python loop over
 sequences, in prefill or decode).
 """
 
@@ -38,17 +38,23 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
     q_len = q.shape[0] if q.is_cuda and torch.cuda.is_current_stream_capturing() else int(new_lens.max())
     key_len = page_table.shape[1] * page_size  # L: every page a sequence holds
     k_pos = torch.arange(key_len, device=q.device)
-    pages = page_table.long().clamp(min=0)[:, torch.div(k_pos, page_size, rounding_mode="floor")]  # [B, L]
-    slots = (k_pos % page_size)[None, :].expand(batch, -1)
-    keys = kv_cache[0, pages, slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    values = kv_cache[1, pages, slots].to(q.dtype).transpose(1, 2)
+    # Whole pages through the table: [2, B, pages, page_size, Hkv, D] -> keys, values [B, Hkv, L, D]
+    # (unused table entries are -1: page 0 is read there and masked out by `total`).
+    paged = kv_cache[:, page_table.long().clamp(min=0)].to(q.dtype)
+    keys, values = (x.reshape(batch, key_len, *x.shape[3:]).transpose(1, 2) for x in paged)
 
     heads, dim = q.shape[1], q.shape[2]
-    q_pad = q.new_zeros(batch, q_len, heads, dim)  # [B, Sq, H, D]
-    q_pad[seq, offset] = q
+    # Decode: one new token per sequence, so packed token b is sequence b's, no padding needed.
+    decode = q_len == 1 and q.shape[0] == batch
+    if decode:
+        q_pad = q[:, None]  # [B, 1, H, D]
+    else:
+        q_pad = q.new_zeros(batch, q_len, heads, dim)  # [B, Sq, H, D]
+        q_pad[seq, offset] = q
     q_pos = cache_lens.long()[:, None] + torch.arange(q_len, device=q.device)[None, :]  # [B, Sq]
     mask = allowed(q_pos, k_pos, total, window, chunk)
-    mask[:, :, 0] |= ~mask.any(-1)  # padded query rows see one key instead of none (no NaN); dropped below
+    if not decode:  # padded query rows see one key instead of none (no NaN); dropped below
+        mask[:, :, 0] |= ~mask.any(-1)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),
         keys,
@@ -57,7 +63,7 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
         scale=scale,
         enable_gqa=heads != keys.shape[1],
     )  # [B, H, Sq, D]
-    return out.transpose(1, 2)[seq, offset]  # [T, H, D]
+    return out[:, :, 0] if decode else out.transpose(1, 2)[seq, offset]  # [T, H, D]
 
 
 cached_attention = register("cached_attention", attend)

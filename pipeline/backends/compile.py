@@ -3,12 +3,36 @@
 The forward is replaced on the graph module itself, so its kwargs adapter (a forward pre-hook)
 still runs eagerly in front, and the module tree, attribute names and profiler module events stay
 those of the graph module.
+
+Inductor compiles the canonical elementwise ops (rms_norm, rope) from their aten definitions, so
+they fuse with their neighbours (the residual add before a norm, the q/k split before RoPE) instead
+of running as opaque calls; attention and linear stay library kernels. Eager and torch-simple runs
+keep the ops as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+
 import torch
 from torch import nn
+from torch._inductor.decomposition import register_decomposition
+
+from pipeline.transforms.ops import rms_norm_reference, rope_reference
+
+_DECOMPOSED = {
+    torch.ops.pipeline.rms_norm.default: rms_norm_reference,
+    torch.ops.pipeline.rope.default: rope_reference,
+}
+for _op, _reference in _DECOMPOSED.items():
+    register_decomposition(_op)(_reference)
+# Inductor's on-disk caches do not key on the decomposition table: without a tag of their source, a
+# graph compiled before (the ops opaque) would be loaded as it was.
+_SOURCE = "".join(inspect.getsource(f) for f in _DECOMPOSED.values())
+torch.compiler.config.cache_key_tag += (
+    f"pipeline-decompositions-{hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]}"
+)
 
 
 def compiled_frames() -> int:

@@ -31,27 +31,11 @@ def _sync(device: torch.device) -> None:
 
 
 def _hf_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
-    """HF generate: (decode step, prefill) in seconds. A step is (time for 1 + steps tokens - time
-    for 1 token) / steps; prefill is the time for 1 token. Medians over repeats after a warm-up."""
-
-    def timed(new_tokens: int) -> float:
-        _sync(prompts.device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                input_ids=prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-            )
-        _sync(prompts.device)
-        return time.perf_counter() - start
-
+    """HF generate: (decode step, prefill) in seconds, medians over repeats after a warm-up."""
     for _ in range(2):  # warm-up at the timed lengths: a static cache's length is the generated length
-        timed(1 + steps)
-        timed(1)
-    pairs = [(timed(1 + steps), timed(1)) for _ in range(repeats)]
-    return (
-        statistics.median((full - one) / steps for full, one in pairs),
-        statistics.median(one for _, one in pairs),
-    )
+        _hf_sample(model, prompts, steps)
+    pairs = [_hf_sample(model, prompts, steps) for _ in range(repeats)]
+    return statistics.median(d for d, _ in pairs), statistics.median(p for _, p in pairs)
 
 
 def bench_decode(
@@ -115,17 +99,42 @@ def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats:
     )
 
 
-def _hf_compiled_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
+class _HFCompiled:
     """Hugging Face's own recipe: a static cache and torch.compile of the forward (with CUDA graphs,
-    mode reduce-overhead, on a GPU)."""
-    mode = "reduce-overhead" if prompts.device.type == "cuda" else None
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode=mode)
-    try:
-        return _hf_times(model, prompts, steps, repeats)
-    finally:
-        del model.forward
-        model.generation_config.cache_implementation = None
+    mode reduce-overhead, on a GPU), switched on for one sample at a time so that the same model
+    also serves the eager rows."""
+
+    def __init__(self, model, device: torch.device):
+        self.model = model
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        self.forward = torch.compile(model.forward, mode=mode)  # compiled once, on first use
+
+    def sample(self, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
+        self.model.forward = self.forward
+        self.model.generation_config.cache_implementation = "static"
+        try:
+            return _hf_sample(self.model, prompts, steps)
+        finally:
+            del self.model.forward
+            self.model.generation_config.cache_implementation = None
+
+
+def _hf_sample(model, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
+    """One HF generate sample: (decode step, prefill) in seconds. A step is (time for 1 + steps
+    tokens - time for 1 token) / steps; prefill is the time for 1 token."""
+
+    def timed(new_tokens: int) -> float:
+        _sync(prompts.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+        _sync(prompts.device)
+        return time.perf_counter() - start
+
+    full, one = timed(1 + steps), timed(1)
+    return (full - one) / steps, one
 
 
 def bench_backends(
@@ -139,8 +148,10 @@ def bench_backends(
     backends: list[str],
 ) -> dict:
     """Per runner, same weights and batch, one process: HF eager, HF static cache + torch.compile,
-    and demollm with each backend. A runner that fails is a row with its error, not a lost table."""
-    import torch._dynamo
+    and demollm with each backend. Runners take turns, one sample each per round, so that a slow
+    phase of a noisy machine lands on all of them, not on whichever ran then; medians over rounds
+    after a warm-up round. A runner that fails is a row with its error, not a lost table."""
+    import copy
 
     from pipeline import backends as capture_backends
     from pipeline.errors import short_cause
@@ -155,36 +166,59 @@ def bench_backends(
     generator = torch.Generator().manual_seed(0)
     prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
     prompts = prompts.to(device)
-    rows = []
 
-    def measure(runner: str, times) -> None:
-        torch._dynamo.reset()  # each compiled runner starts from nothing
-        try:
-            decode_s, prefill_s = times()
-        except Exception as exc:  # recorded in the table: one broken runner must not hide the others
-            rows.append({"runner": runner, "error": short_cause(exc)})
-            return
-        rows.append({"runner": runner, "decode_ms": 1000 * decode_s, "prefill_ms": 1000 * prefill_s})
-
-    measure("HF eager generate", lambda: _hf_times(model, prompts, steps, repeats))
-    measure("HF static cache + torch.compile", lambda: _hf_compiled_times(model, prompts, steps, repeats))
-
-    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
+    # demollm's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the
+    # HF rows must run Hugging Face's model as it is.
+    ours = copy.deepcopy(model)
+    lm_paths = graph_capture.find_language_models(ours, text_config) if zoo.is_vlm(hf_config) else [""]
     examples = make_example_inputs(hf_config, 2, None, dtype, device, seed=0)
-    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
-    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
-    engine = DemoLLM(model, hf_config, cfg.runtime, device, eos_ids=set())  # no early stop
-    targets = find_graphs(model)
+    ours, _ = graph_capture.capture(ours, lm_paths, examples.image or examples.text)
+    registry.run_transforms(ours, registry.parse(cfg.transforms), registry.TransformHistory())
+    engine = DemoLLM(ours, hf_config, cfg.runtime, device, eos_ids=set())  # no early stop
+    targets = find_graphs(ours)
+    requests = [Request(i, prompts[i].tolist()) for i in range(batch)]
 
-    def demollm_times(backend: str) -> tuple[float, float]:
+    def demollm_sample(backend: str) -> tuple[float, float]:
+        # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
         capture_backends.apply(backend, targets, cfg.runtime, None, on_cuda=device.type == "cuda")
         try:
-            return _demollm_step_s(engine, prompts.cpu(), steps, repeats)
+            engine.generate(requests, 3, SamplingParams(), seed=0)  # CUDA graphs captured, caches warm
+            run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+            return statistics.median(run.decode_step_s), run.prefill_s
         finally:
             capture_backends.remove(targets)
 
-    for backend in backends:
-        measure(f"demollm {backend}", lambda b=backend: demollm_times(b))
+    hf_compiled = _HFCompiled(model, device)
+    runners = {
+        "HF eager generate": lambda: _hf_sample(model, prompts, steps),
+        "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
+        **{f"demollm {b}": (lambda b=b: demollm_sample(b)) for b in backends},
+    }
+    samples: dict[str, list[tuple[float, float]]] = {runner: [] for runner in runners}
+    errors: dict[str, str] = {}
+    for round_ in range(repeats + 1):  # round 0 warms up (and compiles); its samples are dropped
+        for runner, sample in runners.items():
+            if runner in errors:
+                continue
+            try:
+                value = sample()
+            except Exception as exc:  # recorded in the table: one broken runner must not hide the others
+                errors[runner] = short_cause(exc)
+                continue
+            if round_:
+                samples[runner].append(value)
+    rows = []
+    for runner in runners:
+        if runner in errors:
+            rows.append({"runner": runner, "error": errors[runner]})
+            continue
+        rows.append(
+            {
+                "runner": runner,
+                "decode_ms": 1000 * statistics.median(d for d, _ in samples[runner]),
+                "prefill_ms": 1000 * statistics.median(p for _, p in samples[runner]),
+            }
+        )
     eager = rows[0].get("decode_ms")
     for row in rows:
         if eager and "decode_ms" in row:
@@ -194,6 +228,7 @@ def bench_backends(
         "batch": batch,
         "prompt_len": prompt_len,
         "steps": steps,
+        "repeats": repeats,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
@@ -205,7 +240,8 @@ def backends_markdown(result: dict, target: str) -> list[str]:
         f"## Decode per backend, `model={result['model']}` ({result['dtype']}, {result['device']}, "
         f"batch {result['batch']}, prompt {result['prompt_len']} tokens)",
         "",
-        f"Same weights and batch, one process; median over repeats after a warm-up. Target: {target}.",
+        f"Same weights and batch, one process; the runners take turns, one sample each per round, "
+        f"median over {result.get('repeats', 'the')} rounds after a warm-up round. Target: {target}.",
         "",
         "| runner | decode ms/step | x HF eager | prefill ms |",
         "|---|---|---|---|",

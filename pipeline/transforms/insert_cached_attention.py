@@ -2,7 +2,9 @@
 backend, which writes the new keys/values into a paged KV cache and attends over the history.
 
 The graph gains kwargs inputs: one cache per attention layer (`kv_cache_<i>`: [2, pages, page_size,
-Hkv, D]) and the step's sequence metadata (`qo_indptr`, `cache_lens`, `page_table`). The causal
+Hkv, D]) and the step's sequence metadata (`qo_indptr`, `cache_lens`, `page_table`), and one
+`pipeline::attention_plan` node, before the first layer, that turns the metadata into per-token
+sequence/position/slot tensors for all layers. The causal
 mask HF computed from shapes is dropped; the layer's sliding window or attention chunk (Llama-4's
 chunked layers) comes from the text config's `layer_types` and goes to the op.
 In a full graph of a VLM only the language model's attention (under the graph's
@@ -14,13 +16,18 @@ against eager); demollm binds its own.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from pipeline.attention import cached_attention_op, resolve
+from pipeline.attention import (
+    cached_attention_op,
+    common,  # noqa: F401  (registers pipeline::attention_plan)
+    resolve,
+)
 from pipeline.export.graph_capture import first_tensor
 from pipeline.runtime.kv_cache import CacheSpec, PagedKVCache
 from pipeline.transforms import ops  # noqa: F401  (registers pipeline::attention)
@@ -28,6 +35,7 @@ from pipeline.transforms.graph import add_inputs, finish, is_op, replace
 from pipeline.transforms.registry import Transform, TransformConfig, register
 
 ATTENTION = torch.ops.pipeline.attention.default
+PLAN = torch.ops.pipeline.attention_plan.default
 METADATA = ("qo_indptr", "cache_lens", "page_table")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -112,13 +120,18 @@ class InsertCachedAttention(Transform):
                 strict=True,
             )
         )
+        metadata = [inputs[m] for m in METADATA]
+        # Once per step, before the first layer: every packed token's sequence, offset, position
+        # and cache slot, which all layers share.
+        with gm.graph.inserting_before(nodes[0]):
+            plan = gm.graph.call_function(PLAN, (nodes[0].args[0], inputs[specs[0].input_name], *metadata))
+            tokens = [gm.graph.call_function(operator.getitem, (plan, i)) for i in range(4)]
         for spec, node in zip(specs, nodes, strict=True):
             q, k, v, _mask, scale, _is_causal = node.args
             window, chunk = _window_and_chunk(text_config, _layer_index(node))
             with gm.graph.inserting_before(node):
                 cached = gm.graph.call_function(
-                    op,
-                    (q, k, v, inputs[spec.input_name], *(inputs[m] for m in METADATA), scale, window, chunk),
+                    op, (q, k, v, inputs[spec.input_name], *metadata, *tokens, scale, window, chunk)
                 )
             replace(node, cached)
             gm.graph.erase_node(node)

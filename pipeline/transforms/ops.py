@@ -41,9 +41,14 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x: [B, H, S, D]; cos, sin: broadcastable to x (HF passes [B, 1, S, D]). The llama3-scaled and
     the multimodal (Qwen2.5-VL mrope) variants differ only in how cos/sin were computed.
     """
+    return rope_reference(x, cos, sin).contiguous()
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """pipeline::rope in plain aten ops (what Inductor compiles it as; see backends/compile.py)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).contiguous()
+    return x * cos + rotated * sin
 
 
 @rope.register_fake
@@ -72,9 +77,14 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
     x: [..., D]; weight: [D] or None (Llama-4's QK-norm has none).
     """
+    return rms_norm_reference(x, weight, eps).contiguous()
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """pipeline::rms_norm in plain aten ops (what Inductor compiles it as; see backends/compile.py)."""
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed if weight is None else weight * normed).contiguous()
+    return normed if weight is None else weight * normed
 
 
 @rms_norm.register_fake
