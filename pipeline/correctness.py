@@ -6,6 +6,7 @@ changes the model (export, transforms) compares against it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,22 +22,102 @@ def logits(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output[0]
 
 
-def reference_outputs(model: torch.nn.Module, calls: dict[str, dict]) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return {name: logits(model(**call)) for name, call in calls.items()}
+# A mixture-of-experts router picks its top-k experts per token; where the k-th and (k+1)-th
+# router logits are within a few units of rounding in eager, any other summation order may pick the
+# other expert, and that token's output then differs by far more than rounding. Measured on
+# llama4_scout's seed configuration in bfloat16 with torch-compile: 6 of 314 image-call tokens
+# differed by up to 6.1 (largest logit 8.6), every one at an eager top-1 margin of 1-3 ULPs; all
+# other tokens within 0.1. Such tokens are counted and reported, not failed.
+NEAR_TIE_ULPS = 4
+
+
+@dataclass
+class Reference:
+    logits: dict[str, torch.Tensor]  # call -> eager logits [B, S, V]
+    router_near_ties: dict[str, torch.Tensor]  # call -> [B, S] bool, tokens with a near-tie routing
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """MoE routers: linears named router/gate with one output per expert (Llama-4's Router)."""
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "text_config", None) or config
+    experts = getattr(text_config, "num_local_experts", None) or getattr(text_config, "num_experts", None)
+    if not experts:
+        return []
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and name.rsplit(".", 1)[-1] in ("router", "gate")
+        and m.out_features == experts
+    ]
+
+
+def _near_ties(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """router_logits: [tokens, experts] -> [tokens] bool: the k-th and (k+1)-th largest differ by
+    at most NEAR_TIE_ULPS units of rounding of the router's dtype at their magnitude."""
+    values = router_logits.float().topk(min(top_k + 1, router_logits.shape[-1]), dim=-1).values
+    if values.shape[-1] <= top_k:
+        return torch.zeros(values.shape[0], dtype=torch.bool)
+    kth, next_ = values[:, top_k - 1], values[:, top_k]
+    ulp = torch.finfo(router_logits.dtype).eps * kth.abs().clamp(min=1.0)
+    return (kth - next_) <= NEAR_TIE_ULPS * ulp
+
+
+def reference_outputs(model: torch.nn.Module, calls: dict[str, dict]) -> Reference:
+    """Eager logits of each call, and which tokens any MoE router decided by a near-tie."""
+    routers = _routers(model)
+    config = getattr(model, "config", None)
+    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", 1) or 1
+    recorded: list[torch.Tensor] = []
+
+    def record(_module, _args, output):
+        # Llama-4's router returns (scores, logits); a plain gate returns the logits.
+        recorded.append((output[-1] if isinstance(output, tuple) else output).detach())
+
+    reference = Reference({}, {})
+    hooks = [r.register_forward_hook(record) for r in routers]
+    try:
+        with torch.no_grad():
+            for name, call in calls.items():
+                recorded.clear()
+                out = logits(model(**call))
+                reference.logits[name] = out
+                near = torch.zeros(out.shape[:-1], dtype=torch.bool)
+                for router_logits in recorded:
+                    if router_logits.shape[0] == near.numel():  # this call's tokens, flattened
+                        near |= _near_ties(router_logits, top_k).cpu().reshape(near.shape)
+                reference.router_near_ties[name] = near
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return reference
 
 
 def check(state: RunState, stage: str, result: StageResult) -> list[CorrectnessCheck]:
-    """Compare state.model with the reference on every check call; records metrics and notes."""
+    """Compare state.model with the reference on every check call; records metrics and notes.
+    Tokens over the tolerance where eager routing was a near-tie are excused, counted and noted."""
     checks = []
     with torch.no_grad():
         for name, call in state.check_calls.items():
-            ref = state.reference[name].float()
-            err = (logits(state.model(**call)).float() - ref).abs().max().item()
+            ref = state.reference.logits[name].float()
+            per_token = (logits(state.model(**call)).float() - ref).abs().amax(-1)  # [B, S]
             tol = TOLERANCE[state.dtype] * max(1.0, ref.abs().max().item())
-            checks.append(CorrectnessCheck(stage, name, err, tol))
+            near = state.reference.router_near_ties[name].to(per_token.device)
+            excused = (per_token > tol) & near
+            err = per_token.masked_fill(excused, 0).max().item()
+            check_ = CorrectnessCheck(stage, name, err, tol, int(excused.sum()))
+            checks.append(check_)
             result.metrics[f"correctness/{stage}/{name}_max_abs_err"] = err
-            result.notes.append(f"check on the {name} call: max_abs_err {err:.3g} (tolerance {tol:.3g})")
+            note = f"check on the {name} call: max_abs_err {err:.3g} (tolerance {tol:.3g})"
+            if check_.router_flips:
+                result.metrics[f"correctness/{stage}/{name}_router_flips"] = check_.router_flips
+                note += (
+                    f"; {check_.router_flips} of {per_token.numel()} tokens, where eager's MoE routing was "
+                    f"a near-tie (top-k margin within {NEAR_TIE_ULPS} ULPs), differ by up to "
+                    f"{per_token[excused].max().item():.3g}: their expert choice flipped, not counted"
+                )
+            result.notes.append(note)
     result.metrics["correctness/max_abs_err"] = max(c.max_abs_err for c in checks)
     state.checks += checks
     return checks

@@ -51,11 +51,12 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
     assert "| load, random init" in text and "| export of `model.language_model`" in text
-    decode = results["decode"]
-    assert [r["batch"] for r in decode["rows"]] == [1, 2] and decode["read_bandwidth_gbs"] > 0
-    # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.
-    assert all(math.isfinite(r["demollm_ms"]) and math.isfinite(r["hf_eager_ms"]) for r in decode["rows"])
-    assert "## Decode, `model=tiny_mistral3`" in text
+    assert [d["dtype"] for d in results["decode"]] == ["float32", "bfloat16"]
+    for decode in results["decode"]:
+        assert [r["batch"] for r in decode["rows"]] == [1, 2] and decode["read_bandwidth_gbs"] > 0
+        # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.
+        assert all(math.isfinite(r["demollm_ms"]) and math.isfinite(r["hf_eager_ms"]) for r in decode["rows"])
+        assert f"## Decode, `model=tiny_mistral3` ({decode['dtype']}, CPU" in text
     assert [b["model"] for b in results["backends"]] == ["tiny_llama3_1_8b"]
     for backends in results["backends"]:
         assert [r["runner"] for r in backends["rows"]] == [

@@ -150,7 +150,8 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         f"< {load['target_s']:.0f} s | {ratio} |"
     )
     lines.append(f"| export of `{export['submodule']}` | {export['export_s']:.1f} s | - | - | - |")
-    lines += ["", *decode.markdown(results["decode"])]
+    for result in results["decode"]:
+        lines += ["", *decode.markdown(result)]
     for result in results["backends"]:
         lines += ["", *decode.backends_markdown(result, CPU_TARGET)]
     lines += ["", *prefill.markdown(results["prefill"])]
@@ -180,26 +181,17 @@ def plot(results: dict, path: Path) -> None:
         for r in b["rows"]
         if "vs_hf_eager" in r
     ]
-    limits = (
-        [
-            {
-                "row": f"decode b{r['batch']} demollm",
-                "% of limit": 100 * r["demollm_gbs"] / results["decode"]["read_bandwidth_gbs"],
-            }
-            for r in results["decode"]["rows"]
-        ]
-        + [
-            {
-                "row": f"decode b{r['batch']} HF eager",
-                "% of limit": 100 * r["hf_gbs"] / results["decode"]["read_bandwidth_gbs"],
-            }
-            for r in results["decode"]["rows"]
-        ]
-        + [
-            {"row": f"prefill {r['tokens']}", "% of limit": r["pct_of_gemm"]}
-            for r in results["prefill"]["rows"]
-        ]
-    )
+    limits = [
+        {
+            "row": f"decode {d['dtype']} b{r['batch']} {who}",
+            "% of limit": 100 * r[key] / d["read_bandwidth_gbs"],
+        }
+        for d in results["decode"]
+        for who, key in (("demollm", "demollm_gbs"), ("HF eager", "hf_gbs"))
+        for r in d["rows"]
+    ] + [
+        {"row": f"prefill {r['tokens']}", "% of limit": r["pct_of_gemm"]} for r in results["prefill"]["rows"]
+    ]
     sns.set_theme(style="whitegrid")
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     sns.barplot(pd.DataFrame(rows), y="runner", x="x HF eager", hue="model", ax=axes[0], orient="h")
@@ -220,6 +212,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip Hugging Face's own (slow) init")
     parser.add_argument("--decode-batches", default="1,4")
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--decode-dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument(
         "--small-model", default="small_mistral", help="overhead-bound model for the per-backend rows"
@@ -265,9 +258,12 @@ def main() -> None:
         "model": args.model,
         "load": bench_load(args.model, args.repeats, not args.no_reference),
         "export": bench_export(args.model, args.repeats),
-        "decode": decode.bench_decode(
-            args.model, batches, args.prompt_len, args.decode_steps, args.repeats, bandwidth
-        ),
+        "decode": [
+            decode.bench_decode(
+                args.model, batches, args.prompt_len, args.decode_steps, args.repeats, bandwidth, dtype
+            )
+            for dtype in (getattr(torch, d) for d in args.decode_dtypes.split(","))
+        ],
         # The small configuration only: on this 24 GiB machine the default configuration's HF static
         # cache + torch.compile row (2.9 B float32, Inductor) ran the process out of memory.
         "backends": [
