@@ -52,6 +52,7 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
     text = output.read_text()
     assert "| load, random init" in text and "| export of `model.language_model`" in text
     assert [d["dtype"] for d in results["decode"]] == ["float32", "bfloat16"]
+    assert all(d["gemv_read_gbs"] > 0 for d in results["decode"])
     for decode in results["decode"]:
         assert [r["batch"] for r in decode["rows"]] == [1, 2] and decode["read_bandwidth_gbs"] > 0
         # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.

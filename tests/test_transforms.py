@@ -245,9 +245,10 @@ def test_onednn_linear_takes_every_linear_with_the_same_weights(name):
     _assert_same(model, calls, reference)
 
 
-@pytest.mark.parametrize(("dtype", "matches"), [(torch.bfloat16, 1), (torch.float16, 0)])
+@pytest.mark.parametrize(("dtype", "matches"), [(torch.float32, 1), (torch.bfloat16, 0), (torch.float16, 0)])
 def test_onednn_linear_dtypes(dtype, matches):
-    """bfloat16 goes to oneDNN and matches F.linear; float16 (no oneDNN kernel here) stays F.linear."""
+    """float32 goes to oneDNN and matches F.linear; bfloat16 (F.linear is oneDNN already) and
+    float16 stay F.linear."""
     linear = nn.Linear(32, 48).to(dtype)
     x = torch.randn(1, 5, 32, dtype=dtype)
     gm = torch.export.export(linear, (x,)).module()

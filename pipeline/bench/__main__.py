@@ -158,12 +158,15 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
     lines += ["", *pipeline_run.markdown(results["run"])]
     if results.get("plot"):
         lines += ["", f"![benchmarks]({results['plot']})"]
+    if NOTES.exists():  # the analysis of these rows: what was fixed, what limits the rest
+        lines += ["", NOTES.read_text().strip()]
     if gpu:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
 
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
+NOTES = Path(__file__).with_name("notes.md")
 
 
 def plot(results: dict, path: Path) -> None:

@@ -52,3 +52,30 @@ def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
             times.append(time.perf_counter() - start)
         best = max(best, 2 * m * k * n / statistics.median(times) / 1e12)
     return best
+
+
+def gemv_read_gbs(weight: torch.Tensor, repeats: int = 5) -> float:
+    """A decode-step GEMV, [1, K] x weight [N, K]^T, with the kernel demollm's linears run for the
+    weight's dtype (oneDNN's inner product for float32 on CPU, F.linear otherwise): weight bytes /
+    time, best of repeats after a warm-up. The read rate one large matrix-vector product reaches;
+    decode cannot read weights faster than its GEMVs do."""
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+
+        def kernel():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    else:
+
+        def kernel():
+            return torch.nn.functional.linear(x, weight)
+
+    with torch.no_grad():
+        kernel()
+        times = []
+        for _ in range(repeats):
+            _sync(weight.device)
+            start = time.perf_counter()
+            kernel()
+            _sync(weight.device)
+            times.append(time.perf_counter() - start)
+    return weight.numel() * weight.element_size() / min(times) / 1e9
