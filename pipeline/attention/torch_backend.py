@@ -33,15 +33,21 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
     page_size = kv_cache.shape[2]
     new_lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
     total = cache_lens.long() + new_lens  # [B]
-    # The longest run of new tokens sizes the padded queries; reading it is a device sync, which a
-    # CUDA graph capture forbids: there the packed length (an upper bound, and 1 per row in decode) serves.
-    q_len = q.shape[0] if q.is_cuda and torch.cuda.is_current_stream_capturing() else int(new_lens.max())
-    key_len = page_table.shape[1] * page_size  # L: every page a sequence holds
+    # The longest run of new tokens sizes the padded queries and the longest sequence the keys;
+    # reading them is a device sync, which a CUDA graph capture forbids: there the packed length (an
+    # upper bound, and 1 per row in decode) and every page of the table serve.
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        q_len, key_len = q.shape[0], page_table.shape[1] * page_size
+    else:
+        q_len, key_len = int(new_lens.max()), int(total.max())  # SDPA's work grows with the keys
+    pages = -(-key_len // page_size)
     k_pos = torch.arange(key_len, device=q.device)
     # Whole pages through the table: [2, B, pages, page_size, Hkv, D] -> keys, values [B, Hkv, L, D]
     # (unused table entries are -1: page 0 is read there and masked out by `total`).
-    paged = kv_cache[:, page_table.long().clamp(min=0)].to(q.dtype)
-    keys, values = (x.reshape(batch, key_len, *x.shape[3:]).transpose(1, 2) for x in paged)
+    paged = kv_cache[:, page_table[:, :pages].long().clamp(min=0)].to(q.dtype)
+    keys, values = (
+        x.reshape(batch, pages * page_size, *x.shape[3:])[:, :key_len].transpose(1, 2) for x in paged
+    )
 
     heads, dim = q.shape[1], q.shape[2]
     # Decode: one new token per sequence, so packed token b is sequence b's, no padding needed.

@@ -251,8 +251,12 @@ def backends_markdown(result: dict, target: str) -> list[str]:
         f"## Decode per backend, `model={result['model']}` ({result['dtype']}, {result['device']}, "
         f"batch {result['batch']}, prompt {result['prompt_len']} tokens)",
         "",
-        f"Same weights and batch, one process; the runners take turns, one sample each per round, "
-        f"median over {result.get('repeats', 'the')} rounds after a warm-up round. Target: {target}.",
+        (
+            f"Same weights and batch, one process; the runners take turns, one sample each per round, "
+            f"median over {result['repeats']} rounds after a warm-up round. Target: {target}."
+            if "repeats" in result  # recorded before runners took turns: one runner after another
+            else f"Same weights and batch, one process; median over repeats after a warm-up. Target: {target}."
+        ),
         "",
         "| runner | decode ms/step | x HF eager | prefill ms |",
         "|---|---|---|---|",
