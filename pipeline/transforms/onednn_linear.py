@@ -72,15 +72,15 @@ class OneDNNLinearTransform(Transform):
             return 0
         matches = 0
         for node in list(gm.graph.nodes):
-            if not is_op(node, aten.linear.default) or not _supported(_weight_of(gm, node)):
+            if not is_op(node, aten.linear.default):
                 continue
-            x = node.args[0]
-            if getattr(x.meta.get("val"), "dtype", None) != _weight_of(gm, node).dtype:
+            x, weight = node.args[0], _weight_of(gm, node)
+            if not _supported(weight) or getattr(x.meta.get("val"), "dtype", None) != weight.dtype:
                 continue  # mixed dtypes: F.linear's promotion rules, not oneDNN's
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with gm.graph.inserting_before(node):
-                fused = gm.graph.call_function(ONEDNN_LINEAR, (x, node.args[1], bias))
-            replace(node, fused)
+                onednn = gm.graph.call_function(ONEDNN_LINEAR, (x, node.args[1], bias))
+            replace(node, onednn)
             gm.graph.erase_node(node)
             matches += 1
         finish(gm)
