@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pipeline.models.zoo import text_config_of
 from pipeline.state import CorrectnessCheck, RunState, StageResult
 
 # Relative to the largest reference logit. Export replays the same ATen ops, so float32 agrees to
@@ -37,10 +38,8 @@ class Reference:
     router_near_ties: dict[str, torch.Tensor]  # call -> [B, S] bool, tokens with a near-tie routing
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _routers(model: torch.nn.Module, text_config) -> list[torch.nn.Module]:
     """MoE routers: linears named router/gate with one output per expert (Llama-4's Router)."""
-    config = getattr(model, "config", None)
-    text_config = getattr(config, "text_config", None) or config
     experts = getattr(text_config, "num_local_experts", None) or getattr(text_config, "num_experts", None)
     if not experts:
         return []
@@ -66,9 +65,9 @@ def _near_ties(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def reference_outputs(model: torch.nn.Module, calls: dict[str, dict]) -> Reference:
     """Eager logits of each call, and which tokens any MoE router decided by a near-tie."""
-    routers = _routers(model)
-    config = getattr(model, "config", None)
-    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", 1) or 1
+    text_config = text_config_of(getattr(model, "config", None))
+    routers = _routers(model, text_config)
+    top_k = getattr(text_config, "num_experts_per_tok", 1) or 1
     recorded: list[torch.Tensor] = []
 
     def record(_module, _args, output):

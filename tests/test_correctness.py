@@ -58,11 +58,13 @@ def test_a_flip_at_a_near_tie_is_counted_not_failed_and_elsewhere_fails():
 
 def test_reference_records_the_routers_of_a_moe_model():
     model, hf_config, examples = build_tiny("tiny_llama4_scout")
-    assert len(correctness._routers(model)) == hf_config.text_config.num_hidden_layers  # MoE in every layer
+    assert (
+        len(correctness._routers(model, hf_config.text_config)) == hf_config.text_config.num_hidden_layers
+    )  # MoE in every layer
     reference = correctness.reference_outputs(model, {"text": examples.text})
     assert reference.router_near_ties["text"].shape == reference.logits["text"].shape[:-1]
-    dense, _, dense_examples = build_tiny("tiny_mistral3")
-    assert correctness._routers(dense) == []
+    dense, dense_config, dense_examples = build_tiny("tiny_mistral3")
+    assert correctness._routers(dense, dense_config.text_config) == []
     assert (
         not correctness.reference_outputs(dense, {"text": dense_examples.text}).router_near_ties["text"].any()
     )
