@@ -50,6 +50,7 @@ class RuntimeConfig:
     max_num_tokens: int = 8192
     world_size: int = 0
     kv_cache_mb: int | None = None  # None: pages for max_batch_size sequences of max_seq_len
+    lookahead: int = 1  # decode steps the host launches before reading the tokens of earlier ones
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -153,6 +154,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 # Sanity limits, so that a typo cannot ask for terabytes before anything is built.
 MAX_IMAGE_SIDE = 16384  # pixels
+MAX_LOOKAHEAD = 4  # steps computed ahead are wasted for a sequence that already ended
 MAX_SEQ_LEN = 1 << 20  # tokens
 
 
@@ -259,6 +261,11 @@ def validate(cfg: Any, cuda_available: bool) -> None:
             raise ConfigError(f"prompt.images[{index}]={path} does not exist")
     if rt.kv_cache_mb is not None:
         _positive("runtime.kv_cache_mb", rt.kv_cache_mb)
+    if not 0 <= rt.lookahead <= MAX_LOOKAHEAD:
+        raise ConfigError(
+            f"runtime.lookahead={rt.lookahead}: use 0 (read every step's tokens before the next) up to "
+            f"{MAX_LOOKAHEAD}; 1 already keeps the device busy"
+        )
     sampling = rt.sampling
     if sampling.temperature < 0 or sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
         raise ConfigError(

@@ -68,6 +68,10 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
         ]
         assert all(math.isfinite(r["decode_ms"]) and math.isfinite(r["prefill_ms"]) for r in backends["rows"])
         assert f"## Decode per backend, `model={backends['model']}`" in text
+    assert [(r["backend"], r["batch"]) for r in results["engine_work"]["rows"]] == [
+        ("torch-simple", 1), ("torch-simple", 2), ("torch-cudagraph", 1), ("torch-cudagraph", 2)
+    ]  # fmt: skip
+    assert "## Host work per decode step" in text
     assert [r["tokens"] for r in results["prefill"]["rows"]] == [16, 32]
     assert all(
         math.isfinite(r["tflops"]) and math.isfinite(r["gemm_tflops"]) for r in results["prefill"]["rows"]

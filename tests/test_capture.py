@@ -20,24 +20,59 @@ def test_buckets():
     assert [cudagraph.pick_bucket(n, [1, 2, 4, 8]) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
 
 
-def test_padding_and_slicing_of_a_decode_step():
-    inputs = {
-        "input_ids": torch.tensor([[5, 6, 7]]),
-        "position_ids": torch.tensor([[9, 4, 12]]),
-        "qo_indptr": torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-        "cache_lens": torch.tensor([9, 4, 12], dtype=torch.int32),
-        "page_table": torch.tensor([[0, 1], [2, -1], [3, 4]], dtype=torch.int32),
-        "kv_cache_0": torch.zeros(2, 6, 8, 1, 4),
+def _decode_step(cache_lens: list[int], table: list[list[int]], mrope: bool = False) -> dict:
+    n = len(cache_lens)
+    positions = torch.tensor([cache_lens])
+    return {
+        "input_ids": torch.arange(5, 5 + n)[None],
+        "position_ids": positions[None].expand(3, 1, n) if mrope else positions,
+        "qo_indptr": torch.arange(n + 1, dtype=torch.int32),
+        "cache_lens": torch.tensor(cache_lens, dtype=torch.int32),
+        "page_table": torch.tensor(table, dtype=torch.int32),
+        "kv_cache_0": KV_CACHE,
     }
-    padded = cudagraph.pad_step(inputs, bucket=4, scratch_page=5, table_width=3)
-    assert padded["input_ids"].tolist() == [[5, 6, 7, 0]]
-    assert padded["qo_indptr"].tolist() == [0, 1, 2, 3, 4] and padded["cache_lens"].tolist() == [9, 4, 12, 0]
-    assert padded["page_table"].tolist() == [[0, 1, 5], [2, 5, 5], [3, 4, 5], [5, 5, 5]]
-    assert padded["kv_cache_0"] is inputs["kv_cache_0"]  # caches are static already
+
+
+KV_CACHE = torch.zeros(2, 6, 8, 1, 4)
+
+
+def test_static_step_padding_and_slicing():
+    """A bucket's buffers take a step of 3 sequences, then of 2: the row the larger step left
+    behind becomes a padded row again (nothing cached, page table at the scratch page)."""
+    three = _decode_step([9, 4, 12], [[0, 1], [2, -1], [3, 4]])
+    step = cudagraph.StaticStep(three, bucket=4, scratch_page=5, table_width=3)
+    step.fill(three)
+    buffers = step.buffers
+    assert buffers["input_ids"].tolist() == [[5, 6, 7, 0]] and buffers["position_ids"].tolist() == [
+        [9, 4, 12, 0]
+    ]
+    assert buffers["qo_indptr"].tolist() == [0, 1, 2, 3, 4] and buffers["cache_lens"].tolist() == [
+        9,
+        4,
+        12,
+        0,
+    ]
+    assert buffers["page_table"].tolist() == [[0, 1, 5], [2, -1, 5], [3, 4, 5], [5, 5, 5]]
+    assert buffers["kv_cache_0"] is KV_CACHE  # caches are static already
+    addresses = {name: t.data_ptr() for name, t in buffers.items()}
+    step.fill(_decode_step([10, 5], [[0, 1], [2, 3]]))
+    assert {name: t.data_ptr() for name, t in buffers.items()} == addresses
+    assert buffers["cache_lens"].tolist() == [10, 5, 0, 0]
+    assert buffers["page_table"][:, 0].tolist() == [0, 2, 5, 5] and buffers["page_table"][1, 1] == 3
     out = cudagraph.slice_output({"last_hidden_state": torch.ones(1, 4, 16)}, n=3, bucket=4)
     assert out["last_hidden_state"].shape == (1, 3, 16)
-    mrope = cudagraph.pad_step({**inputs, "position_ids": torch.ones(3, 1, 3, dtype=torch.long)}, 4, 5, 3)
-    assert mrope["position_ids"].shape == (3, 1, 4)
+    mrope = _decode_step([9, 4, 12], [[0], [1], [2]], mrope=True)
+    step = cudagraph.StaticStep(mrope, 4, 5, 3)
+    step.fill(mrope)
+    assert step.buffers["position_ids"].shape == (3, 1, 4) and step.buffers["position_ids"][
+        2, 0
+    ].tolist() == [9, 4, 12, 0]
+
+
+def test_decode_is_told_from_shapes():
+    assert cudagraph.step_shape(_decode_step([9, 4], [[0], [1]])) == (2, 2)
+    prefill = {**_decode_step([0, 0], [[0], [1]]), "position_ids": torch.arange(7)[None]}
+    assert cudagraph.step_shape(prefill) == (2, 7)
 
 
 @pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_qwen2_5_vl"])
@@ -56,6 +91,20 @@ def test_cuda_graph_runner_path_keeps_tokens_on_cpu(name):
     assert runner.fallbacks == 1  # the prefill
     five = _requests(hf_config, [4, 5, 6, 7, 8], images=False)
     assert engine.generate(five, 3, SamplingParams(), seed=0).tokens == _hf_generate(name, five, 3)
+
+
+def test_decode_step_host_work():
+    """Outside the captured graph a decode step builds three host tensors (its sequence metadata,
+    copied to the device) and never reads a device value, with or without the CUDA-graph runner;
+    the runner adds only its input copies (embeddings, positions, cache lengths, page table)."""
+    from pipeline.bench.engine_work import bench_engine_work
+
+    rows = bench_engine_work("tiny_mistral3", [1, 3], ["torch-simple", "torch-cudagraph"], steps=4)["rows"]
+    assert all(r["host_tensors"] == 3 and r["device_reads"] == 0 for r in rows), rows
+    simple, graphs = (
+        {r["batch"]: r["ops"] for r in rows if r["backend"] == b} for b in ("torch-simple", "torch-cudagraph")
+    )
+    assert graphs[1] == simple[1] + 4 and graphs[3] == simple[3] + 6  # batch 3 pads to 4: two resets
 
 
 def engine_runtime(name):

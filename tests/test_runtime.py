@@ -101,10 +101,10 @@ def test_cached_keys_equal_eager_keys():
     engine, hf_config = _engine("tiny_llama3_1_8b")
     requests = _requests(hf_config, [11, 19], images=False)
     runner = engine.runner
-    logits = runner.forward(requests, [r.prompt for r in requests], images=True)
+    logits = runner.prefill(requests)
     tokens = [requests[i].prompt + [int(logits[i].argmax())] for i in range(2)]
     for _ in range(3):
-        logits = runner.forward(requests, [[t[-1]] for t in tokens], images=False)
+        logits = runner.decode(requests, torch.tensor([t[-1] for t in tokens]))
         for i in range(2):
             tokens[i].append(int(logits[i].argmax()))
     seq = requests[1]
@@ -140,6 +140,41 @@ def test_cache_allocation_and_release():
     assert len(cache.free_pages) == 2
     meta = cache.metadata([1], [16], torch.device("cpu"))
     assert meta["qo_indptr"].tolist() == [0, 16] and meta["cache_lens"].tolist() == [0]
+
+
+def test_step_metadata():
+    cache = PagedKVCache([CacheSpec("kv_cache_0", 2, 4, torch.float32)], 8, 4, torch.device("cpu"))
+    for seq_id, n in ((3, 9), (5, 2), (7, 5)):
+        cache.reserve(seq_id, n)
+        cache.commit(seq_id, n)
+        cache.reserve(seq_id, 1)
+    meta = cache.metadata([3, 5, 7], [1, 1, 1], torch.device("cpu"))
+    assert meta["qo_indptr"].tolist() == [0, 1, 2, 3] and meta["cache_lens"].tolist() == [9, 2, 5]
+    assert meta["page_table"].tolist() == [[0, 1, 2], [3, -1, -1], [4, 5, -1]]
+    # Separate tensors at offset 0: torch.compile guards on storage offsets.
+    assert all(t.storage_offset() == 0 and t.dtype == torch.int32 for t in meta.values())
+
+
+@pytest.mark.parametrize("capture", ["partial", "none"])
+def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture):
+    """The host launching steps ahead of the tokens it has read changes nothing a user sees: a
+    sequence that ends at EOS mid-batch ends there, its token computed ahead is dropped, and its
+    pages go back."""
+    engine, hf_config = _engine("tiny_llama3_1_8b", capture=capture)
+    requests = _requests(hf_config, [5, 9, 13], images=False)
+    engine.lookahead = 0
+    full = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
+    eos = full[1][2]  # the third token of the second sequence ends it
+    expected = {s: t[: t.index(eos) + 1] if eos in t else t for s, t in full.items()}
+    assert expected != full
+    engine.eos_ids = {eos}
+    for lookahead in (0, 1, 2):
+        engine.lookahead = lookahead
+        generation = engine.generate(requests, 8, SamplingParams(), seed=0)
+        assert generation.tokens == expected, lookahead
+        assert sum(generation.decode_step_tokens) == sum(len(t) - 1 for t in expected.values())
+        if capture == "partial":
+            assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages - 1
 
 
 def test_out_of_pages_is_a_clear_error():

@@ -2,12 +2,13 @@
 
 `CUDAGraphRunner` is an nn.Module (the second seed's choice), so a profiler groups the replayed
 kernels under it. It sits behind the graph module's kwargs adapter: a step whose sequences each
-bring one new token (decode) is padded up to the nearest bucket, copied into static buffers and
-replayed; any other step (prefill, or more tokens than the largest bucket) runs uncaptured. Padded
-rows are dummy sequences of one token at position 0 whose page table points at a scratch page, so
-their cache writes land nowhere that matters; outputs are sliced back to the real rows.
-The KV caches are the same tensors every step, so they are static already; metadata tensors are
-copied into static buffers whose contents change between replays.
+bring one new token (decode) is copied into the static input buffers of the nearest bucket and
+replayed; any other step (prefill, or more sequences than the largest bucket) runs uncaptured.
+Padded rows are dummy sequences of one token at position 0 whose page table points at a scratch
+page, so their cache writes land nowhere that matters; outputs are sliced back to the real rows.
+The KV caches are the same tensors every step, so they are static already. A replay costs one
+copy per changing input (at batch 1: token embeddings, positions, cache lengths, page table) and
+never reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-
-METADATA = ("qo_indptr", "cache_lens", "page_table")
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -38,50 +37,82 @@ def pick_bucket(n: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def is_decode_step(inputs: dict[str, torch.Tensor]) -> bool:
-    """Every sequence brings exactly one new token."""
-    indptr = inputs["qo_indptr"]
-    return indptr.numel() - 1 == int(indptr[-1])
-
-
-def pad_step(inputs: dict[str, Any], bucket: int, scratch_page: int, table_width: int) -> dict[str, Any]:
-    """A decode step of n sequences as one of `bucket` sequences (n <= bucket).
-
-    Token tensors [1, n, ...] (or [3, 1, n] position ids) grow along the token dim; padded
-    sequences have one token, nothing cached, and every page entry at the scratch page.
-    """
-    n = inputs["qo_indptr"].numel() - 1
-    extra = bucket - n
-    out = {}
-    for name, value in inputs.items():
-        if name == "qo_indptr":
-            steps = torch.arange(1, extra + 1, dtype=value.dtype, device=value.device) + value[-1]
-            out[name] = torch.cat([value, steps])
-        elif name == "cache_lens":
-            out[name] = torch.cat([value, value.new_zeros(extra)])
-        elif name == "page_table":
-            table = value.new_full((bucket, table_width), scratch_page)
-            table[:n, : value.shape[1]] = torch.where(value >= 0, value, scratch_page)
-            out[name] = table
-        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and _token_dim(value, n) is not None:
-            dim = _token_dim(value, n)
-            pad_shape = list(value.shape)
-            pad_shape[dim] = extra
-            out[name] = torch.cat([value, value.new_zeros(pad_shape)], dim=dim)
-        else:
-            out[name] = value  # caches and constants: the same tensors
-    return out
+def step_shape(inputs: dict[str, Any]) -> tuple[int, int]:
+    """(sequences, packed tokens) of a step, from shapes alone: reading a value would make the host
+    wait for the device before every step."""
+    sequences = inputs["qo_indptr"].shape[0] - 1
+    if "position_ids" in inputs:
+        return sequences, inputs["position_ids"].shape[-1]  # [1, T] or [3, 1, T]
+    return sequences, next(inputs[k].shape[1] for k in ("input_ids", "inputs_embeds") if k in inputs)
 
 
 def _token_dim(value: torch.Tensor, n: int) -> int | None:
     """The packed token dim: 1 for [1, T, ...], 2 for multimodal position ids [3, 1, T]."""
     if value.dim() == 3 and value.shape[0] == 3 and value.shape[1] == 1 and value.shape[2] == n:
         return 2
-    return 1 if value.shape[0] == 1 and value.shape[1] == n else None
+    return 1 if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == n else None
+
+
+class StaticStep:
+    """One bucket's decode inputs at fixed addresses, the ones a captured graph reads.
+
+    Padded rows are sequences of one token at position 0 with nothing cached, their page table row
+    at the scratch page; `fill` copies a step of n <= bucket sequences into the first n rows and
+    resets the rest. KV caches are the engine's own tensors (static already). In decode, qo_indptr
+    is always 0, 1, ..., bucket.
+    """
+
+    def __init__(self, inputs: dict[str, Any], bucket: int, scratch_page: int, table_width: int):
+        self.bucket, self.scratch_page = bucket, scratch_page
+        n = inputs["qo_indptr"].shape[0] - 1
+        self.buffers: dict[str, Any] = {}
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor) or name.startswith("kv_cache"):
+                buffer = value
+            elif name == "qo_indptr":
+                buffer = torch.arange(bucket + 1, dtype=value.dtype, device=value.device)
+            elif name == "cache_lens":
+                buffer = value.new_zeros(bucket)
+            elif name == "page_table":
+                buffer = value.new_full((bucket, table_width), scratch_page)
+            elif (dim := _token_dim(value, n)) is not None:
+                buffer = value.new_zeros(value.shape[:dim] + (bucket,) + value.shape[dim + 1 :])
+            else:
+                buffer = value.clone()
+            self.buffers[name] = buffer
+
+    def fill(self, inputs: dict[str, Any]) -> None:
+        n = inputs["qo_indptr"].shape[0] - 1
+        padded = n < self.bucket
+        for name, value in inputs.items():
+            buffer = self.buffers[name]
+            if not isinstance(value, torch.Tensor) or buffer is value or name == "qo_indptr":
+                continue
+            if name == "cache_lens":
+                buffer[:n].copy_(value)
+                if padded:  # rows a larger step left behind
+                    buffer[n:].zero_()
+            elif name == "page_table":
+                buffer[:n, : value.shape[1]].copy_(value)  # entries past a row's pages are never read
+                if padded:  # a padded row writes its one token into its first page: the scratch page
+                    buffer[n:, 0].fill_(self.scratch_page)
+            elif (dim := _token_dim(value, n)) is not None:
+                buffer.narrow(dim, 0, n).copy_(value)  # padded rows' tokens: any finite values serve
+            else:
+                buffer.copy_(value)
+
+    def bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for name, t in self.buffers.items()
+            if isinstance(t, torch.Tensor) and not name.startswith("kv_cache")
+        )
 
 
 def slice_output(output: Any, n: int, bucket: int) -> Any:
     """Back to the n real rows: every tensor whose token dim (1) is the bucket."""
+    if n == bucket:
+        return output
     return pytree.tree_map(
         lambda t: t[:, :n] if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == bucket else t,
         output,
@@ -91,7 +122,8 @@ def slice_output(output: Any, n: int, bucket: int) -> Any:
 class CUDAGraphRunner(nn.Module):
     """Replays a captured decode step per bucket; runs everything else through `forward_fn`.
 
-    use_graphs=False runs the padded step without capture: the padding and slicing path on CPU.
+    use_graphs=False runs the bucket's static step without capture: the padding and slicing path
+    on CPU.
     """
 
     def __init__(
@@ -108,57 +140,44 @@ class CUDAGraphRunner(nn.Module):
         self.buckets = sorted(buckets)
         self.scratch_page, self.table_width = scratch_page, table_width
         self.use_graphs, self.warmup = use_graphs, warmup
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, Any], Any]] = {}
+        self.steps: dict[int, StaticStep] = {}  # bucket -> its input buffers
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}  # bucket -> graph, its output
         self.replays = 0
         self.fallbacks = 0
 
     def forward(self, **inputs: Any) -> Any:
-        if not is_decode_step(inputs):
+        n, tokens = step_shape(inputs)
+        bucket = pick_bucket(n, self.buckets) if n == tokens else None
+        if bucket is None:  # prefill, or more sequences than the largest bucket
             self.fallbacks += 1
             return self.forward_fn(**inputs)
-        n = inputs["qo_indptr"].numel() - 1
-        bucket = pick_bucket(n, self.buckets)
-        if bucket is None:
-            self.fallbacks += 1
-            return self.forward_fn(**inputs)
-        padded = pad_step(inputs, bucket, self.scratch_page, self.table_width)
+        if bucket not in self.steps:
+            self.steps[bucket] = StaticStep(inputs, bucket, self.scratch_page, self.table_width)
+        step = self.steps[bucket]
+        step.fill(inputs)
         if not self.use_graphs:
-            return slice_output(self.forward_fn(**padded), n, bucket)
+            return slice_output(self.forward_fn(**step.buffers), n, bucket)
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(padded)
-        graph, static_inputs, static_output = self.graphs[bucket]
-        for name, value in padded.items():
-            buffer = static_inputs[name]
-            if isinstance(buffer, torch.Tensor) and buffer.data_ptr() != value.data_ptr():
-                buffer.copy_(value)
+            self.graphs[bucket] = self._capture(step.buffers)
+        graph, output = self.graphs[bucket]
         graph.replay()
         self.replays += 1
-        return slice_output(static_output, n, bucket)
+        return slice_output(output, n, bucket)
 
-    def _capture(self, padded: dict[str, Any]):
-        # Static copies of every step input; the caches are the engine's own tensors (static already).
-        static = {
-            k: (v.clone() if isinstance(v, torch.Tensor) and not k.startswith("kv_cache") else v)
-            for k, v in padded.items()
-        }
+    def _capture(self, buffers: dict[str, Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.warmup):  # warm-up outside the graph (allocator, autotuning)
-                self.forward_fn(**static)
+                self.forward_fn(**buffers)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            output = self.forward_fn(**static)
-        return graph, static, output
+            output = self.forward_fn(**buffers)
+        return graph, output
 
     def memory_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for _, s, _ in self.graphs.values()
-            for k, t in s.items()
-            if isinstance(t, torch.Tensor) and not k.startswith("kv_cache")
-        )
+        return sum(step.bytes() for step in self.steps.values())
 
 
 def install(graph: nn.Module, cfg_runtime, buckets: list[int] | None, use_graphs: bool) -> CUDAGraphRunner:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
-from pipeline.bench import decode, pipeline_run, prefill
+from pipeline.bench import decode, engine_work, pipeline_run, prefill
 from pipeline.bench.limits import read_bandwidth_gbs
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
@@ -104,6 +104,7 @@ def bench_export(name: str, repeats: int) -> dict:
 
 CPU_BACKENDS = ["torch-simple", "torch-compile"]
 GPU_BACKENDS = ["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
+ENGINE_WORK_BACKENDS = ["torch-simple", "torch-cudagraph"]
 CPU_TARGET = "torch-compile at most 0.5x Hugging Face eager per token on the small configuration"
 GPU_TARGET = "torch-cudagraph at least 4x faster than Hugging Face eager at batch 1 on mistral3"
 
@@ -154,6 +155,8 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         lines += ["", *decode.markdown(result)]
     for result in results["backends"]:
         lines += ["", *decode.backends_markdown(result, CPU_TARGET)]
+    if "engine_work" in results:
+        lines += ["", *engine_work.markdown(results["engine_work"])]
     lines += ["", *prefill.markdown(results["prefill"])]
     lines += ["", *pipeline_run.markdown(results["run"])]
     if results.get("plot"):
@@ -227,6 +230,11 @@ def main() -> None:
         help="cuda: only the per-backend rows, in bfloat16, saved to BENCHMARKS.gpu.json and shown in "
         "BENCHMARKS.md by every later CPU run",
     )
+    parser.add_argument(
+        "--engine-model",
+        default="tiny_mistral3",
+        help="the seed's layout at tiny size, for the host-work counts",
+    )
     parser.add_argument("--prefill-tokens", default="128,1024")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "outputs" / "readme" / "benchmarks.png")
@@ -282,6 +290,7 @@ def main() -> None:
             )
             for name in models[:1]
         ],
+        "engine_work": engine_work.bench_engine_work(args.engine_model, batches, ENGINE_WORK_BACKENDS),
         "prefill": prefill.bench_prefill(
             args.model, [int(t) for t in args.prefill_tokens.split(",")], args.repeats
         ),

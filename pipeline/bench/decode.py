@@ -111,22 +111,26 @@ def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats:
 
 
 class _HFCompiled:
-    """Hugging Face's own recipe: a static cache and torch.compile of the forward (with CUDA graphs,
-    mode reduce-overhead, on a GPU), switched on for one sample at a time so that the same model
-    also serves the eager rows."""
+    """Hugging Face's own recipe: a static cache and torch.compile of the forward, switched on for
+    one sample at a time so that the same model also serves the eager rows. On a GPU, generate
+    compiles the forward itself once the cache is static (mode reduce-overhead: CUDA graphs, with the
+    output handling that mode needs; compiling the forward here as well nested two compilations and
+    failed on an H200 with an output overwritten by a later replay); on CPU it does not, so the
+    forward is compiled here."""
 
     def __init__(self, model, device: torch.device):
         self.model = model
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        self.forward = torch.compile(model.forward, mode=mode)  # compiled once, on first use
+        # compiled on first use
+        self.forward = None if device.type == "cuda" else torch.compile(model.forward)
 
     def sample(self, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
-        self.model.forward = self.forward
+        if self.forward is not None:
+            self.model.forward = self.forward
         self.model.generation_config.cache_implementation = "static"
         try:
             return _hf_sample(self.model, prompts, steps)
         finally:
-            del self.model.forward
+            self.model.__dict__.pop("forward", None)
             self.model.generation_config.cache_implementation = None
 
 

@@ -8,6 +8,7 @@ out: it is the scratch page that padded rows of a CUDA-graph bucket write into.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -80,15 +81,20 @@ class PagedKVCache:
 
         qo_indptr: [B + 1], where each sequence's new tokens start in the packed step;
         cache_lens: [B], tokens cached before this step; page_table: [B, max pages], -1 padded.
+        Each is its own tensor: views of one shared buffer would differ in storage offset, which
+        torch.compile guards on (it recompiled when an offset matched another size). On a GPU each
+        goes from pinned memory, so the copies are asynchronous and the host runs on.
         """
         width = max(len(self.pages[s]) for s in seq_ids)
-        table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
-        for row, s in enumerate(seq_ids):
-            table[row, : len(self.pages[s])] = torch.tensor(self.pages[s], dtype=torch.int32)
-        indptr = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(new_tokens, dtype=torch.int32), 0)
-        return {
-            "qo_indptr": indptr.to(device),
-            "cache_lens": torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.int32, device=device),
-            "page_table": table.to(device),
+        values = {
+            "qo_indptr": list(itertools.accumulate(new_tokens, initial=0)),
+            "cache_lens": [self.lengths[s] for s in seq_ids],
+            "page_table": [self.pages[s] + [-1] * (width - len(self.pages[s])) for s in seq_ids],
         }
+        step = {}
+        for name, value in values.items():
+            host = torch.tensor(value, dtype=torch.int32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            step[name] = host.to(device, non_blocking=True)
+        return step

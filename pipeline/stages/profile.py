@@ -113,7 +113,9 @@ def run(state: RunState) -> StageResult:
     collector = WindowCollector(trace_dir, {})
     eos, engine.eos_ids = engine.eos_ids, set()  # every window exists: no early stop
     try:
-        unprofiled = engine.generate(requests, steps + 1, params, cfg.seed)
+        # Stepped as the profiled run is (each step read before the next is launched), so that the
+        # overhead ratio is the profiler's alone.
+        unprofiled = engine.generate(requests, steps + 1, params, cfg.seed, after_step=lambda: None)
         with ranges as instrumented, warnings.catch_warnings():
             # warmup=0 is deliberate: windows are consecutive steps, and the warm-up ran above.
             warnings.filterwarnings("ignore", message=".*warmup.*")

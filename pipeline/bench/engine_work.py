@@ -1,0 +1,131 @@
+"""What a decode step asks of the host besides the captured graph, counted op by op.
+
+On a GPU a decode step of a small model is bound by the host: every op the engine and the eager
+parent dispatch is a kernel launch or a copy the host must issue, and every host read of a device
+value (`int(t)`, `.item()`) stops the host until the device is idle, so the next step's launches
+cannot overlap the current step's kernels. The counts are the same on any device, so they are
+measured here, on CPU, with a dispatch mode over whole decode steps of the seed's layout (a VLM whose
+language model is the captured graph; embedding, lm_head and sampling eager), outside the graph.
+Views (slices, reshapes) and profiler ranges launch nothing and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipeline.backends import apply, remove
+from pipeline.bench.setup import compose
+from pipeline.export import graph_capture
+from pipeline.models import build, zoo
+from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
+from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.requests import Request
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.transforms import registry
+from pipeline.transforms.registry import find_graphs
+
+HOST_DATA = "aten.lift_fresh.default"  # a tensor built from Python values: a host-to-device copy on a GPU
+DEVICE_READ = "aten._local_scalar_dense.default"  # a device value read on the host: a sync on a GPU
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.in_graph = 0  # > 0 while the captured graph itself runs: not counted
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self.in_graph and (name == HOST_DATA or not (func.is_view or name.startswith("profiler."))):
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_inside(counter: _OpCounter, forward):
+    def counted(*args, **kwargs):
+        counter.in_graph += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            counter.in_graph -= 1
+
+    return counted
+
+
+def bench_engine_work(name: str, batches: list[int], backends: list[str], steps: int = 8) -> dict:
+    """Per backend and batch: ops per decode step outside the captured graph."""
+    cfg = compose([f"model={name}"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), seed=0
+    )
+    text_config = zoo.text_config_of(hf_config)
+    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
+    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
+    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
+    engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())
+    targets = find_graphs(model)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for backend in backends:
+        runners = apply(backend, targets, cfg.runtime, None, on_cuda=False)
+        counter = _OpCounter()
+        graph = targets[0][1]
+        if runners:  # the runner's copies are outside work, its (replayed) graph is not
+            runner = next(iter(runners.values()))
+            inner, runner.forward_fn = runner.forward_fn, _count_inside(counter, runner.forward_fn)
+        else:
+            inner, graph.forward = graph.forward, _count_inside(counter, graph.forward)
+        try:
+            for batch in batches:
+                prompts = random_ids((batch, 24), text_config.vocab_size, special_ids(hf_config), generator)
+                requests = [Request(i, prompts[i].tolist()) for i in range(batch)]
+                engine.generate(requests, 3, SamplingParams(), seed=0)  # buffers and shapes seen once
+                per_run = []
+                for new_tokens in (2, steps + 2):  # the difference is `steps` decode steps
+                    counter.counts = Counter()
+                    with counter:
+                        engine.generate(requests, new_tokens, SamplingParams(), seed=0)
+                    per_run.append(counter.counts)
+                rows.append({"backend": backend, "batch": batch, **_per_step(*per_run, steps)})
+        finally:
+            if runners:
+                runner.forward_fn = inner
+            else:
+                graph.forward = inner
+            remove(targets)
+    return {"model": name, "steps": steps, "rows": rows}
+
+
+def _per_step(short: Counter, long: Counter, steps: int) -> dict:
+    step = {op: (long[op] - short[op]) / steps for op in long}
+    return {
+        "ops": sum(n for op, n in step.items() if op not in (HOST_DATA, DEVICE_READ)),
+        "host_tensors": step.get(HOST_DATA, 0.0),
+        "device_reads": step.get(DEVICE_READ, 0.0),
+    }
+
+
+def markdown(result: dict) -> list[str]:
+    lines = [
+        f"## Host work per decode step outside the captured graph, `model={result['model']}`",
+        "",
+        f"Ops dispatched per decode step, counted on CPU over {result['steps']} steps (the counts are "
+        "the same on any device): the engine's step inputs, the eager embedding and lm_head, sampling, "
+        "and the CUDA-graph runner's copies (torch-cudagraph runs them here without capture). Views and "
+        "profiler ranges launch nothing and are not counted; a custom op counts once. On a GPU each op "
+        "is a kernel launch or copy the host issues, each host tensor (built from Python values) a "
+        "host-to-device copy, and each device read a stall of the host until the device is idle.",
+        "",
+        "| backend | batch | ops | host tensors | device reads |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['backend']} | {r['batch']} | {r['ops']:.0f} | {r['host_tensors']:.0f} | {r['device_reads']:.0f} |"
+        )
+    return lines
