@@ -153,3 +153,17 @@ def test_backends_on_gpu_in_bfloat16(backend):
     out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, 0, 0)
     expected = _expected(*(t.float().cpu() for t in (q, k, v)), history.float(), 0, 0)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_picks_a_kernel_on_cuda(monkeypatch):
+    """auto: torch on CPU; on CUDA a paged kernel (flashinfer where installed, else triton), since
+    a captured torch-backend step attends over every page of the table."""
+    import importlib.util
+
+    from pipeline.attention import resolve
+
+    assert resolve("auto", on_cuda=False) == "torch" and resolve("torch", on_cuda=True) == "torch"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve("auto", on_cuda=True) == "triton"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert resolve("auto", on_cuda=True) == "flashinfer"

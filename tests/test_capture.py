@@ -162,3 +162,4 @@ def test_cuda_backends_keep_tokens(backend, tmp_path):
     _, runs = mlflow_runs(uri)
     graphs = next(r for r in runs if r.data.tags["backend"] == backend)
     assert graphs.data.metrics["capture/cuda_graph_replays"] > 0
+    assert graphs.data.metrics["memory/cuda_graph_pool_mb"] > 0  # a capture's activations have their own pool

@@ -10,11 +10,15 @@ import torch
 
 
 def resolve(name: str, on_cuda: bool) -> str:
-    """`auto`: flashinfer where installed on CUDA, else torch."""
+    """`auto`: on CUDA flashinfer where installed, else triton; torch on CPU. Not torch on CUDA: a
+    captured decode step needs static shapes, so there the torch backend gathers and attends over
+    every page of the table (runtime.max_seq_len keys) each step, where the kernels read only the
+    sequence's own pages."""
     if name != "auto":
         return name
-    installed = importlib.util.find_spec("flashinfer") is not None
-    return "flashinfer" if on_cuda and installed else "torch"
+    if not on_cuda:
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
 def cached_attention_op(backend: str):

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from pipeline.library import fake, op
+
 SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor qo_indptr, Tensor cache_lens, "
     "Tensor page_table, Tensor token_seq, Tensor token_offset, Tensor token_pos, Tensor token_slot, "
@@ -30,7 +32,7 @@ SCHEMA = (
 )
 
 
-@torch.library.custom_op("pipeline::attention_plan", mutates_args=())
+@op("attention_plan")
 def attention_plan(
     q: Tensor, kv_cache: Tensor, qo_indptr: Tensor, cache_lens: Tensor, page_table: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -50,7 +52,7 @@ def attention_plan(
     return seq, offset, pos, slot
 
 
-@attention_plan.register_fake
+@fake("attention_plan")
 def _attention_plan_fake(q, kv_cache, qo_indptr, cache_lens, page_table):
     total_tokens = q.shape[0] * q.shape[2]
     return tuple(q.new_empty(total_tokens, dtype=torch.long) for _ in range(4))
@@ -92,8 +94,6 @@ def register(name: str, attend: Attend):
         )
         return out.reshape(shape[0], shape[2], shape[1], -1).transpose(1, 2).contiguous()  # [N, H, S, D]
 
-    op = torch.library.custom_op(
-        f"pipeline::{name}", cached_attention, mutates_args=("kv_cache",), schema=SCHEMA
-    )
-    op.register_fake(lambda q, *rest: q.new_empty(q.shape))  # contiguous, as the implementation returns
-    return op
+    registered = op(name, schema=SCHEMA)(cached_attention)
+    fake(name)(lambda q, *rest: q.new_empty(q.shape))  # contiguous, as the implementation returns
+    return registered

@@ -144,6 +144,7 @@ class CUDAGraphRunner(nn.Module):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}  # bucket -> graph, its output
         self.replays = 0
         self.fallbacks = 0
+        self.pool_bytes = 0  # device memory the captures reserved (their private pools: activations)
 
     def forward(self, **inputs: Any) -> Any:
         n, tokens = step_shape(inputs)
@@ -172,11 +173,14 @@ class CUDAGraphRunner(nn.Module):
                 self.forward_fn(**buffers)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved()
         with torch.cuda.graph(graph):
             output = self.forward_fn(**buffers)
+        self.pool_bytes += torch.cuda.memory_reserved() - reserved
         return graph, output
 
     def memory_bytes(self) -> int:
+        """The static input buffers of every bucket (the graphs' own pools are `pool_bytes`)."""
         return sum(step.bytes() for step in self.steps.values())
 
 

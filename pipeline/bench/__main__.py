@@ -253,6 +253,7 @@ def main() -> None:
                     torch.device("cuda"),
                     torch.bfloat16,
                     GPU_BACKENDS,
+                    stepped=["torch-cudagraph"],
                 )
             )
             GPU_RESULTS.write_text(json.dumps(gpu, indent=2))  # each model as soon as it is done

@@ -161,11 +161,13 @@ def bench_backends(
     device: torch.device,
     dtype: torch.dtype,
     backends: list[str],
+    stepped: tuple[str, ...] | list[str] = (),
 ) -> dict:
     """Per runner, same weights and batch, one process: HF eager, HF static cache + torch.compile,
-    and demollm with each backend. Runners take turns, one sample each per round, so that a slow
-    phase of a noisy machine lands on all of them, not on whichever ran then; medians over rounds
-    after a warm-up round. A runner that fails is a row with its error, not a lost table."""
+    and demollm with each backend (and each of `stepped` again with runtime.lookahead 0). Runners
+    take turns, one sample each per round, so that a slow phase of a noisy machine lands on all of
+    them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
+    is a row with its error, not a lost table."""
     import copy
 
     from pipeline import backends as capture_backends
@@ -193,9 +195,10 @@ def bench_backends(
     targets = find_graphs(ours)
     requests = [Request(i, prompts[i].tolist()) for i in range(batch)]
 
-    def demollm_sample(backend: str) -> tuple[float, float]:
+    def demollm_sample(backend: str, lookahead: int) -> tuple[float, float]:
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
         capture_backends.apply(backend, targets, cfg.runtime, None, on_cuda=device.type == "cuda")
+        engine.lookahead = lookahead
         try:
             engine.generate(requests, 3, SamplingParams(), seed=0)  # CUDA graphs captured, caches warm
             run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
@@ -207,7 +210,10 @@ def bench_backends(
     runners = {
         "HF eager generate": lambda: _hf_sample(model, prompts, steps),
         "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
-        **{f"demollm {b}": (lambda b=b: demollm_sample(b)) for b in backends},
+        **{f"demollm {b}": (lambda b=b: demollm_sample(b, cfg.runtime.lookahead)) for b in backends},
+        # The same backend with every step's tokens read before the next is launched: what the
+        # host running ahead is worth.
+        **{f"demollm {b}, lookahead 0": (lambda b=b: demollm_sample(b, 0)) for b in stepped},
     }
     samples: dict[str, list[tuple[float, float]]] = {runner: [] for runner in runners}
     errors: dict[str, str] = {}

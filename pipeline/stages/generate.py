@@ -86,9 +86,11 @@ def run(state: RunState) -> StageResult:
         metrics["capture/cuda_graph_replays"] = graph_runner.replays
         metrics["capture/uncaptured_steps"] = graph_runner.fallbacks
         metrics["memory/cuda_graph_buffers_mb"] = graph_runner.memory_bytes() / 2**20
+        metrics["memory/cuda_graph_pool_mb"] = graph_runner.pool_bytes / 2**20
         notes.append(
             f"CUDA graphs: {graph_runner.replays} replays, {graph_runner.fallbacks} uncaptured steps "
-            f"(prefill), buckets captured {sorted(graph_runner.graphs)}"
+            f"(prefill), buckets captured {sorted(graph_runner.graphs)}, "
+            f"{graph_runner.pool_bytes / 2**20:.1f} MiB reserved by the captures"
         )
     if isinstance(engine.runner, PagedRunner):
         cache = engine.runner.cache

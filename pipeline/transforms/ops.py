@@ -1,6 +1,7 @@
 """Canonical ops: what the matchers rewrite HF's many spellings into, registered with torch.library.
 
-Registered ops keep their names and input shapes in the profiler and survive export and compile.
+Registered ops (pipeline/library.py) keep their names and input shapes in the profiler and survive
+export and compile.
 Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing.
 Layouts are explicit in the signatures; shapes are noted as [B, H, S, D] = batch, heads, sequence,
 head dim.
@@ -12,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.library import fake, op
 
-@torch.library.custom_op("pipeline::attention", mutates_args=())
+
+@op("attention")
 def attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool
 ) -> Tensor:
@@ -29,12 +32,12 @@ def attention(
     return out.contiguous()  # the fake kernel promises a contiguous result (compile checks strides)
 
 
-@attention.register_fake
+@fake("attention")
 def _attention_fake(q, k, v, attn_mask, scale, is_causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@torch.library.custom_op("pipeline::rope", mutates_args=())
+@op("rope")
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding, rotate-half form: x * cos + rotate_half(x) * sin.
 
@@ -51,12 +54,12 @@ def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-@rope.register_fake
+@fake("rope")
 def _rope_fake(x, cos, sin):
     return x.new_empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=torch.result_type(x, cos))
 
 
-@torch.library.custom_op("pipeline::rope_complex", mutates_args=())
+@op("rope_complex")
 def rope_complex(x: Tensor, freqs_cis: Tensor) -> Tensor:
     """Rotary embedding on interleaved (real, imag) pairs, as Llama-4 computes it.
 
@@ -66,12 +69,12 @@ def rope_complex(x: Tensor, freqs_cis: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype).contiguous()
 
 
-@rope_complex.register_fake
+@fake("rope_complex")
 def _rope_complex_fake(x, freqs_cis):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("pipeline::rms_norm", mutates_args=())
+@op("rms_norm")
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in float32 as HF does: weight * (x / rms(x)).to(x.dtype).
 
@@ -87,13 +90,13 @@ def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return normed if weight is None else weight * normed
 
 
-@rms_norm.register_fake
+@fake("rms_norm")
 def _rms_norm_fake(x, weight, eps):
     dtype = x.dtype if weight is None else torch.result_type(weight, x)
     return x.new_empty(x.shape, dtype=dtype)
 
 
-@torch.library.custom_op("pipeline::onednn_linear", mutates_args=())
+@op("onednn_linear")
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x @ weight^T + bias through oneDNN's inner product on CPU (float32, bfloat16).
 
@@ -107,6 +110,6 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
+@fake("onednn_linear")
 def _onednn_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

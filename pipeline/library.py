@@ -1,0 +1,33 @@
+"""The `pipeline` torch.library namespace: every op this project registers goes through `op`.
+
+Why not `torch.library.custom_op`: it registers the same dispatcher op, but runs every call through
+a Python wrapper (autograd, aliasing and mutation checks) that cost 6 us a call for a one-argument
+op and about 65 us for the fourteen-argument cached attention op on this machine, against 2 us
+through a plain `torch.library.Library` registration. On the small benchmark configuration that was
+about 0.3 ms of a 4.6 ms decode step. The ops are for inference: they have no autograd formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LIBRARY = torch.library.Library("pipeline", "FRAGMENT")
+
+
+def op(name: str, schema: str | None = None, mutates_args: tuple[str, ...] = ()):
+    """Register the decorated function as `pipeline::<name>` for every device; returns the op
+    (`torch.ops.pipeline.<name>.default`). The schema is inferred from the type hints unless given."""
+
+    def register(impl: Callable) -> torch._ops.OpOverload:
+        LIBRARY.define(name + (schema or torch.library.infer_schema(impl, mutates_args=mutates_args)))
+        LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        return getattr(torch.ops.pipeline, name).default
+
+    return register
+
+
+def fake(name: str):
+    """Register the decorated function as `pipeline::<name>`'s fake kernel (shapes for tracing)."""
+    return torch.library.register_fake(f"pipeline::{name}", lib=LIBRARY)
