@@ -135,21 +135,32 @@ class _HFCompiled:
 
 
 def _hf_sample(model, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
-    """One HF generate sample: (decode step, prefill) in seconds. A step is (time for 1 + steps
-    tokens - time for 1 token) / steps; prefill is the time for 1 token."""
+    """One HF generate of 1 + steps tokens: (median decode step, prefill) in seconds, from a
+    timestamp generate takes after every step. (Subtracting a 1-token generate from a longer one
+    carried the noise of two prefills into every step: on CPU in bfloat16 HF's prefill lm_head
+    expands its weight for a batched matmul, seconds that varied run to run.)"""
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    def timed(new_tokens: int) -> float:
-        _sync(prompts.device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                input_ids=prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-            )
-        _sync(prompts.device)
-        return time.perf_counter() - start
+    stamps: list[float] = []
 
-    full, one = timed(1 + steps), timed(1)
-    return (full - one) / steps, one
+    class StepClock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            _sync(prompts.device)
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    _sync(prompts.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=prompts,
+            max_new_tokens=1 + steps,
+            min_new_tokens=1 + steps,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([StepClock()]),
+        )
+    step_s = [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
+    return statistics.median(step_s), stamps[0] - start
 
 
 def bench_backends(
