@@ -225,7 +225,7 @@ class DemoLLM:
         the profiler closes one window per step there, so with it every step is read before the
         next is launched. Without it the host launches up to `lookahead` steps ahead of the tokens
         it has read: each decode step's input ids are the previous step's sampled tokens, still on
-        the device, so on a GPU the device never waits for the engine's Python between steps. A
+        the device, so on a GPU the host builds the next step while the device runs this one. A
         sequence that ended (EOS) in a step the host had not read yet has its later tokens computed
         and dropped. A decode step's time is the interval between the host receiving its tokens and
         receiving the previous step's: what a user streaming tokens waits per token."""
