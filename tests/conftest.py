@@ -40,13 +40,13 @@ def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
         return compose(config_name="config", overrides=overrides or [])
 
 
-def build_tiny(name: str, seed: int = 0):
-    """(model, hf_config, example inputs) for a tiny model, float32 on CPU."""
+def build_tiny(name: str, seed: int = 0, device: str = "cpu"):
+    """(model, hf_config, example inputs) for a tiny model, float32 (on CPU unless told)."""
     cfg = compose_cfg([f"model={name}", f"seed={seed}"])
     hf_config = zoo.build_hf_config(cfg.model)
     model_cls = zoo.resolve_model_class(cfg.model, hf_config)
-    model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed)
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed)
+    model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device(device), seed)
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device(device), seed)
     return model, hf_config, examples
 
 

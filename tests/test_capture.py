@@ -135,6 +135,29 @@ def test_torch_compile_of_the_whole_eager_model_with_capture_none():
 
 
 @pytest.mark.cuda
+def test_cuda_graph_replays_keep_tokens_as_batches_shrink():
+    """On a GPU, buckets [2, 4]: three sequences replay in bucket 4 (one padded row), then one ends
+    at EOS and two replay in bucket 2, the host running a step ahead throughout; tokens equal the
+    uncaptured graph's, cut at the EOS."""
+    name = "tiny_llama3_1_8b"
+    engine, hf_config = _engine(name, device="cuda")
+    requests = _requests(hf_config, [5, 9, 13], images=False)
+    full = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
+    eos = full[1][2]
+    expected = {s: t[: t.index(eos) + 1] if eos in t else t for s, t in full.items()}
+    runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=True)
+    engine.runner.cache = type(engine.runner.cache)(
+        engine.runner.graph.cache_specs,
+        runner.scratch_page + 1,
+        engine.runner.cache.page_size,
+        torch.device("cuda"),
+    )
+    engine.eos_ids = {eos}
+    assert engine.generate(requests, 8, SamplingParams(), seed=0).tokens == expected
+    assert runner.replays > 0 and sorted(runner.graphs) == [2, 4]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
 def test_cuda_backends_keep_tokens(backend, tmp_path):
     """End to end on a GPU: greedy tokens equal to torch-simple's, with CUDA graph replays."""

@@ -36,8 +36,8 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
     return requests
 
 
-def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "torch"):
-    model, hf_config, examples = build_tiny(name)
+def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "torch", device: str = "cpu"):
+    model, hf_config, examples = build_tiny(name, device=device)
     cfg = compose_cfg([f"model={name}", f"runtime.attn_page_size={PAGE}", *overrides])
     if capture != "none":
         paths = (
@@ -51,7 +51,7 @@ def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "t
             if hasattr(t.config, "backend"):
                 t.config.backend, t.config.page_size = backend, PAGE
         registry.run_transforms(model, transforms, registry.TransformHistory())
-    return DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids(hf_config)), hf_config
+    return DemoLLM(model, hf_config, cfg.runtime, torch.device(device), eos_ids(hf_config)), hf_config
 
 
 def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[int, list[int]]:
@@ -155,12 +155,15 @@ def test_step_metadata():
     assert all(t.storage_offset() == 0 and t.dtype == torch.int32 for t in meta.values())
 
 
-@pytest.mark.parametrize("capture", ["partial", "none"])
-def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture):
+@pytest.mark.parametrize(
+    ("capture", "device"),
+    [("partial", "cpu"), ("none", "cpu"), pytest.param("partial", "cuda", marks=pytest.mark.cuda)],
+)
+def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture, device):
     """The host launching steps ahead of the tokens it has read changes nothing a user sees: a
     sequence that ends at EOS mid-batch ends there, its token computed ahead is dropped, and its
-    pages go back."""
-    engine, hf_config = _engine("tiny_llama3_1_8b", capture=capture)
+    pages go back. On CUDA the tokens travel through pinned asynchronous copies."""
+    engine, hf_config = _engine("tiny_llama3_1_8b", capture=capture, device=device)
     requests = _requests(hf_config, [5, 9, 13], images=False)
     engine.lookahead = 0
     full = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
