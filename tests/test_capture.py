@@ -79,13 +79,7 @@ def test_decode_is_told_from_shapes():
 def test_cuda_graph_runner_path_keeps_tokens_on_cpu(name):
     """Buckets [2, 4]: 3 sequences decode padded to 4, then fewer; a batch of 5 runs uncaptured."""
     engine, hf_config = _engine(name)
-    runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=False)
-    engine.runner.cache = type(engine.runner.cache)(
-        engine.runner.graph.cache_specs,
-        runner.scratch_page + 1,
-        engine.runner.cache.page_size,
-        torch.device("cpu"),
-    )
+    runner = _install_runner(engine, name, use_graphs=False)
     requests = _requests(hf_config, [5, 9, 13], images=True)
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
     assert runner.fallbacks == 1  # the prefill
@@ -105,6 +99,17 @@ def test_decode_step_host_work():
         {r["batch"]: r["ops"] for r in rows if r["backend"] == b} for b in ("torch-simple", "torch-cudagraph")
     )
     assert graphs[1] == simple[1] + 4 and graphs[3] == simple[3] + 6  # batch 3 pads to 4: two resets
+
+
+def _install_runner(engine, name: str, use_graphs: bool) -> cudagraph.CUDAGraphRunner:
+    """A CUDA-graph runner with buckets [2, 4] behind the engine's graph, and a cache whose last
+    page is the runner's scratch page."""
+    runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=use_graphs)
+    cache = engine.runner.cache
+    engine.runner.cache = type(cache)(
+        engine.runner.graph.cache_specs, runner.scratch_page + 1, cache.page_size, engine.device
+    )
+    return runner
 
 
 def engine_runtime(name):
@@ -145,13 +150,7 @@ def test_cuda_graph_replays_keep_tokens_as_batches_shrink():
     full = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
     eos = full[1][2]
     expected = {s: t[: t.index(eos) + 1] if eos in t else t for s, t in full.items()}
-    runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=True)
-    engine.runner.cache = type(engine.runner.cache)(
-        engine.runner.graph.cache_specs,
-        runner.scratch_page + 1,
-        engine.runner.cache.page_size,
-        torch.device("cuda"),
-    )
+    runner = _install_runner(engine, name, use_graphs=True)
     engine.eos_ids = {eos}
     assert engine.generate(requests, 8, SamplingParams(), seed=0).tokens == expected
     assert runner.replays > 0 and sorted(runner.graphs) == [2, 4]
