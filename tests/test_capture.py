@@ -40,7 +40,9 @@ def test_static_step_padding_and_slicing():
     """A bucket's buffers take a step of 3 sequences, then of 2: the row the larger step left
     behind becomes a padded row again (nothing cached, page table at the scratch page)."""
     three = _decode_step([9, 4, 12], [[0, 1], [2, -1], [3, 4]])
-    step = cudagraph.StaticStep(three, bucket=4, scratch_page=5, table_width=3)
+    step = cudagraph.StaticStep(
+        three, bucket=4, scratch_page=5, table_width=3, caches=frozenset({"kv_cache_0"})
+    )
     step.fill(three)
     buffers = step.buffers
     assert buffers["input_ids"].tolist() == [[5, 6, 7, 0]] and buffers["position_ids"].tolist() == [
@@ -62,7 +64,7 @@ def test_static_step_padding_and_slicing():
     out = cudagraph.slice_output({"last_hidden_state": torch.ones(1, 4, 16)}, n=3, bucket=4)
     assert out["last_hidden_state"].shape == (1, 3, 16)
     mrope = _decode_step([9, 4, 12], [[0], [1], [2]], mrope=True)
-    step = cudagraph.StaticStep(mrope, 4, 5, 3)
+    step = cudagraph.StaticStep(mrope, 4, 5, 3, frozenset({"kv_cache_0"}))
     step.fill(mrope)
     assert step.buffers["position_ids"].shape == (3, 1, 4) and step.buffers["position_ids"][
         2, 0
@@ -148,8 +150,9 @@ def test_cuda_graph_replays_keep_tokens_as_batches_shrink():
     engine, hf_config = _engine(name, device="cuda")
     requests = _requests(hf_config, [5, 9, 13], images=False)
     full = engine.generate(requests, 8, SamplingParams(), seed=0).tokens
-    eos = full[1][2]
-    expected = {s: t[: t.index(eos) + 1] if eos in t else t for s, t in full.items()}
+    # An EOS only the second sequence generates, early: the other two then decode alone.
+    eos = next(t for t in full[1][1:4] if t not in full[0] + full[2])
+    expected = {**full, 1: full[1][: full[1].index(eos) + 1]}
     runner = _install_runner(engine, name, use_graphs=True)
     engine.eos_ids = {eos}
     assert engine.generate(requests, 8, SamplingParams(), seed=0).tokens == expected

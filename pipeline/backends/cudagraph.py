@@ -62,12 +62,14 @@ class StaticStep:
     is always 0, 1, ..., bucket.
     """
 
-    def __init__(self, inputs: dict[str, Any], bucket: int, scratch_page: int, table_width: int):
-        self.bucket, self.scratch_page = bucket, scratch_page
+    def __init__(
+        self, inputs: dict[str, Any], bucket: int, scratch_page: int, table_width: int, caches: frozenset[str]
+    ):
+        self.bucket, self.scratch_page, self.caches = bucket, scratch_page, caches
         n = inputs["qo_indptr"].shape[0] - 1
         self.buffers: dict[str, Any] = {}
         for name, value in inputs.items():
-            if not isinstance(value, torch.Tensor) or name.startswith("kv_cache"):
+            if not isinstance(value, torch.Tensor) or name in caches:
                 buffer = value
             elif name == "qo_indptr":
                 buffer = torch.arange(bucket + 1, dtype=value.dtype, device=value.device)
@@ -105,7 +107,7 @@ class StaticStep:
         return sum(
             t.numel() * t.element_size()
             for name, t in self.buffers.items()
-            if isinstance(t, torch.Tensor) and not name.startswith("kv_cache")
+            if isinstance(t, torch.Tensor) and name not in self.caches
         )
 
 
@@ -132,13 +134,15 @@ class CUDAGraphRunner(nn.Module):
         buckets: list[int],
         scratch_page: int,
         table_width: int,
+        caches: frozenset[str],
         use_graphs: bool = True,
         warmup: int = 2,
     ):
+        """caches: the KV cache inputs' names (the engine's own tensors, static already)."""
         super().__init__()
         self.forward_fn = forward_fn
         self.buckets = sorted(buckets)
-        self.scratch_page, self.table_width = scratch_page, table_width
+        self.scratch_page, self.table_width, self.caches = scratch_page, table_width, caches
         self.use_graphs, self.warmup = use_graphs, warmup
         self.steps: dict[int, StaticStep] = {}  # bucket -> its input buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}  # bucket -> graph, its output
@@ -153,7 +157,7 @@ class CUDAGraphRunner(nn.Module):
             self.fallbacks += 1
             return self.forward_fn(**inputs)
         if bucket not in self.steps:
-            self.steps[bucket] = StaticStep(inputs, bucket, self.scratch_page, self.table_width)
+            self.steps[bucket] = StaticStep(inputs, bucket, self.scratch_page, self.table_width, self.caches)
         step = self.steps[bucket]
         step.fill(inputs)
         if not self.use_graphs:
@@ -194,6 +198,7 @@ def install(graph: nn.Module, cfg_runtime, buckets: list[int] | None, use_graphs
         sorted(buckets or default_buckets(cfg_runtime.max_batch_size)),
         scratch_page=pages_for(cfg_runtime, graph.cache_specs) - 1,
         table_width=-(-cfg_runtime.max_seq_len // cfg_runtime.attn_page_size),
+        caches=frozenset(spec.input_name for spec in graph.cache_specs),
         use_graphs=use_graphs,
     )
     graph.add_module("cuda_graph_runner", runner)
