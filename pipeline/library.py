@@ -16,14 +16,17 @@ import torch
 LIBRARY = torch.library.Library("pipeline", "FRAGMENT")
 
 
-def op(name: str, schema: str | None = None):
-    """Register the decorated function as `pipeline::<name>` for every device; returns the op
-    (`torch.ops.pipeline.<name>.default`). The schema is inferred from the type hints (no argument
-    mutated) unless given, as the cached attention ops give theirs (they write the KV cache)."""
+def op(name: str, schema: str | None = None, cuda: Callable | None = None):
+    """Register the decorated function as `pipeline::<name>` for every device, and `cuda` (when
+    given) in its place for CUDA tensors; returns the op (`torch.ops.pipeline.<name>.default`). The
+    schema is inferred from the type hints (no argument mutated) unless given, as the cached
+    attention ops give theirs (they write the KV cache)."""
 
     def register(impl: Callable) -> torch._ops.OpOverload:
         LIBRARY.define(name + (schema or torch.library.infer_schema(impl, mutates_args=())))
         LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        if cuda is not None:
+            LIBRARY.impl(name, cuda, "CUDA")
         return getattr(torch.ops.pipeline, name).default
 
     return register

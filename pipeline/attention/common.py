@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from pipeline import kernels
 from pipeline.library import fake, op
 
 SCHEMA = (
@@ -32,7 +33,7 @@ SCHEMA = (
 )
 
 
-@op("attention_plan")
+@op("attention_plan", cuda=kernels.attention_plan)
 def attention_plan(
     q: Tensor, kv_cache: Tensor, qo_indptr: Tensor, cache_lens: Tensor, page_table: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

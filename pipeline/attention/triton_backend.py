@@ -86,9 +86,11 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
     out = torch.empty_like(q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     heads, kv_heads, dim = q.shape[1], kv_cache.shape[3], q.shape[2]
-    table = page_table.to(torch.int32).contiguous()
+    table = page_table.contiguous()
+    # seq, pos: [T] int64 from attention_plan, read as they are: converting them would add two
+    # kernels to every layer of every step
     _paged_attention_kernel[(q.shape[0], heads)](
-        q, k_cache, v_cache, out, seq.to(torch.int32), pos.to(torch.int32), table,
+        q, k_cache, v_cache, out, seq, pos, table,
         scale, window, chunk,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

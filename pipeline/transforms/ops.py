@@ -2,7 +2,8 @@
 
 Registered ops (pipeline/library.py) keep their names and input shapes in the profiler and survive
 export and compile.
-Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing.
+Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing;
+rms_norm and rope run as one Triton kernel each on CUDA (pipeline/kernels).
 Layouts are explicit in the signatures; shapes are noted as [B, H, S, D] = batch, heads, sequence,
 head dim.
 """
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline import kernels
 from pipeline.library import fake, op
 
 
@@ -37,7 +39,7 @@ def _attention_fake(q, k, v, attn_mask, scale, is_causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@op("rope")
+@op("rope", cuda=kernels.rope)
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding, rotate-half form: x * cos + rotate_half(x) * sin.
 
@@ -74,7 +76,7 @@ def _rope_complex_fake(x, freqs_cis):
     return x.new_empty(x.shape)
 
 
-@op("rms_norm")
+@op("rms_norm", cuda=kernels.rms_norm)
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in float32 as HF does: weight * (x / rms(x)).to(x.dtype).
 

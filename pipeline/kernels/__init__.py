@@ -1,0 +1,20 @@
+"""Triton kernels behind the canonical ops on CUDA (registered in pipeline/transforms/ops.py).
+
+Each replaces a chain of small aten kernels with one launch. At decode a step's kernels are tiny
+and the GPU time between them (a few microseconds each, even inside a CUDA graph) adds up: the
+reference rms_norm is eight kernels, rope five, the attention plan about eighteen, and a decode
+step of a two-layer model runs five norms, four ropes and one plan. Each kernel rounds where the aten chain rounds, so results match the reference
+to the last bit but for float32 summation order. Without a GPU the tests run them in Triton's
+interpreter.
+"""
+
+import importlib.util
+
+if importlib.util.find_spec("triton") is not None:
+    from pipeline.kernels.triton_attention_plan import attention_plan
+    from pipeline.kernels.triton_rms_norm import rms_norm
+    from pipeline.kernels.triton_rope import rope
+else:  # no Triton (torch's CUDA builds ship it): CUDA runs the reference implementations
+    attention_plan = rms_norm = rope = None
+
+__all__ = ["attention_plan", "rms_norm", "rope"]

@@ -1,0 +1,94 @@
+"""Triton kernels of the canonical ops equal their reference implementations.
+
+Without a GPU they run in Triton's interpreter (conftest.py), which rounds float32 to bfloat16
+towards zero where a GPU rounds to nearest: there float16 is the exact check of the kernels'
+rounding, and bfloat16 is checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeline.attention.common  # noqa: F401  (registers attention_plan)
+from pipeline import kernels
+from pipeline.transforms.ops import rms_norm_reference, rope_reference
+
+ops = torch.ops.pipeline
+
+
+def _assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.is_contiguous()
+    if out.dtype == torch.float32:  # summation order and rsqrt may move the last bit
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weight", ["same", "float32", "none"])
+def test_rms_norm_kernel(dtype, weight):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 96, generator=g).mul(3).to(dtype)
+    w = {
+        "same": torch.randn(96, generator=g).to(dtype),
+        "float32": torch.randn(96, generator=g),
+        "none": None,
+    }[weight]
+    _assert_matches(kernels.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    rows_strided = x.transpose(0, 1)  # [5, 3, 96]: rows not evenly strided, copied first
+    _assert_matches(kernels.rms_norm(rows_strided, w, 1e-5), rms_norm_reference(rows_strided, w, 1e-5))
+    assert kernels.rms_norm(x[:0], w, 1e-5).shape == (0, 5, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kernel(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 16, generator=g).to(dtype).transpose(1, 2)  # [B, H, S, D], HF's view
+    cos, sin = (torch.randn(2, 1, 7, 16, generator=g).to(dtype) for _ in range(2))  # [B, 1, S, D]
+    _assert_matches(kernels.rope(q, cos, sin), rope_reference(q, cos, sin))
+    _assert_matches(kernels.rope(q[0], cos[0], sin[0]), rope_reference(q[0], cos[0], sin[0]))  # [H, S, D]
+    with pytest.raises(ValueError, match="at most 4 dims"):
+        kernels.rope(q[None], cos, sin)
+
+
+def test_attention_plan_kernel():
+    """Prefill and decode sequences in one step, positions across page boundaries (page 64)."""
+    qo_indptr = torch.tensor([0, 3, 4, 9, 10], dtype=torch.int32)  # new tokens 3, 1, 5, 1
+    cache_lens = torch.tensor([0, 70, 5, 127], dtype=torch.int32)
+    page_table = torch.tensor([[4, -1, -1], [1, 7, -1], [2, -1, -1], [3, 5, 6]], dtype=torch.int32)
+    q, kv_cache = torch.empty(1, 2, 10, 8), torch.empty(2, 8, 64, 1, 8)  # q: [N, H, T, D]
+    args = (q, kv_cache, qo_indptr, cache_lens, page_table)
+    for out, expected in zip(kernels.attention_plan(*args), ops.attention_plan(*args), strict=True):
+        assert out.dtype == torch.long and out.tolist() == expected.tolist()
+    assert (
+        kernels.attention_plan(q[:, :, :0], kv_cache, qo_indptr[:1], cache_lens[:0], page_table[:0])[
+            0
+        ].numel()
+        == 0
+    )
+
+
+@pytest.mark.cuda
+def test_ops_run_one_kernel_each_on_cuda():
+    """On CUDA the ops are the Triton kernels (one launch each) and match the reference in
+    bfloat16 too, rounding to nearest as aten does."""
+    x = torch.randn(4, 5120, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(5120, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = (torch.randn(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kv_cache = torch.empty(2, 4, 64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qo_indptr, cache_lens = (torch.tensor(v, device="cuda", dtype=torch.int32) for v in ([0, 1], [70]))
+    page_table = torch.tensor([[2, 3]], device="cuda", dtype=torch.int32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        normed = ops.rms_norm(x, w, 1e-5)
+        rotated = ops.rope(q, cos, sin)
+        plan = ops.attention_plan(q, kv_cache, qo_indptr, cache_lens, page_table)
+        torch.cuda.synchronize()
+    kernel_names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sorted(kernel_names) == ["_attention_plan_kernel", "_rms_norm_kernel", "_rope_kernel"], (
+        kernel_names
+    )
+    torch.testing.assert_close(normed, rms_norm_reference(x, w, 1e-5))  # bfloat16: within 2 ulp (sum order)
+    _assert_matches(rotated, rope_reference(q, cos, sin))
+    assert [t.tolist() for t in plan] == [[0], [0], [70], [3 * 64 + 6]]
