@@ -1,11 +1,12 @@
-"""Triton kernels behind the canonical ops on CUDA (registered in pipeline/transforms/ops.py).
+"""Triton kernels behind canonical ops on CUDA (registered by transforms/ops.py and
+attention/common.py through `library.op(..., cuda=...)`).
 
 Each replaces a chain of small aten kernels with one launch. At decode a step's kernels are tiny
 and the GPU time between them (a few microseconds each, even inside a CUDA graph) adds up: the
 reference rms_norm is eight kernels, rope five, the attention plan about eighteen, and a decode
-step of a two-layer model runs five norms, four ropes and one plan. Each kernel rounds where the aten chain rounds, so results match the reference
-to the last bit but for float32 summation order. Without a GPU the tests run them in Triton's
-interpreter.
+step of a two-layer model runs five norms, four ropes and one plan. Each kernel rounds where the
+aten chain rounds, so results match the reference to the last bit but for float32 summation
+order. Without a GPU the tests run them in Triton's interpreter.
 """
 
 import importlib.util
