@@ -92,3 +92,9 @@ def test_ops_run_one_kernel_each_on_cuda():
     torch.testing.assert_close(normed, rms_norm_reference(x, w, 1e-5))  # bfloat16: within 2 ulp (sum order)
     _assert_matches(rotated, rope_reference(q, cos, sin))
     assert [t.tolist() for t in plan] == [[0], [0], [70], [3 * 64 + 6]]
+    for op, args in (
+        (ops.rms_norm.default, (x, w, 1e-5)),
+        (ops.rope.default, (q, cos, sin)),
+        (ops.attention_plan.default, (q, kv_cache, qo_indptr, cache_lens, page_table)),
+    ):  # the kernels' outputs are what the fake kernels promise tracing
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
