@@ -71,6 +71,7 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
     assert [(r["backend"], r["batch"]) for r in results["engine_work"]["rows"]] == [
         ("torch-simple", 1), ("torch-simple", 2), ("torch-cudagraph", 1), ("torch-cudagraph", 2)
     ]  # fmt: skip
+    assert all(math.isfinite(r["host_ms"]) for r in results["engine_work"]["rows"])
     assert "## Host work per decode step" in text
     assert [r["tokens"] for r in results["prefill"]["rows"]] == [16, 32]
     assert all(

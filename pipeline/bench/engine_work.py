@@ -7,10 +7,16 @@ cannot overlap the current step's kernels. The counts are the same on any device
 measured here, on CPU, with a dispatch mode over whole decode steps of the seed's layout (a VLM whose
 language model is the captured graph; embedding, lm_head and sampling eager), outside the graph.
 Views (slices, reshapes) and profiler ranges launch nothing and are not counted.
+
+Beside the counts, the host's time per decode step outside the graph: the step's time with the
+graph forward's own time taken out, on this CPU (uncounted runs). On a GPU the forward is one
+replay, and this is the work running ahead (`runtime.lookahead`) has to hide behind the device.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import Counter
 
 import torch
@@ -31,32 +37,56 @@ HOST_DATA = "aten.lift_fresh.default"  # a tensor built from Python values: a ho
 DEVICE_READ = "aten._local_scalar_dense.default"  # a device value read on the host: a sync on a GPU
 
 
+class _GraphCalls:
+    """Wraps the captured graph's forward: marks when it runs, and times each call."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.depth = 0  # > 0 while the graph runs
+        self.seconds: list[float] = []
+
+    def __call__(self, *args, **kwargs):
+        self.depth += 1
+        start = time.perf_counter()
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.seconds.append(time.perf_counter() - start)
+            self.depth -= 1
+
+
 class _OpCounter(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, graph_calls: _GraphCalls):
         super().__init__()
-        self.in_graph = 0  # > 0 while the captured graph itself runs: not counted
+        self.graph_calls = graph_calls  # ops while the graph itself runs are not counted
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if not self.in_graph and (name == HOST_DATA or not (func.is_view or name.startswith("profiler."))):
+        if not self.graph_calls.depth and (
+            name == HOST_DATA or not (func.is_view or name.startswith("profiler."))
+        ):
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _count_inside(counter: _OpCounter, forward):
-    def counted(*args, **kwargs):
-        counter.in_graph += 1
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            counter.in_graph -= 1
+def _host_ms(
+    engine: DemoLLM, requests: list[Request], graph_calls: _GraphCalls, steps: int, repeats: int
+) -> float:
+    """Median over runs of (median decode step - median graph forward), in ms."""
+    outside = []
+    for _ in range(repeats):
+        graph_calls.seconds = []
+        generation = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+        forwards = graph_calls.seconds[1:]  # the first call is the prefill
+        outside.append(generation.decode_ms - 1000 * statistics.median(forwards))
+    return statistics.median(outside)
 
-    return counted
 
-
-def bench_engine_work(name: str, batches: list[int], backends: list[str], steps: int = 8) -> dict:
-    """Per backend and batch: ops per decode step outside the captured graph."""
+def bench_engine_work(
+    name: str, batches: list[int], backends: list[str], steps: int = 8, repeats: int = 5
+) -> dict:
+    """Per backend and batch: ops per decode step outside the captured graph, and the host's time."""
     cfg = compose([f"model={name}"])
     hf_config = zoo.build_hf_config(cfg.model)
     model, _ = build.build_random(
@@ -73,13 +103,15 @@ def bench_engine_work(name: str, batches: list[int], backends: list[str], steps:
     rows = []
     for backend in backends:
         runners = apply(backend, targets, cfg.runtime, None, on_cuda=False)
-        counter = _OpCounter()
         graph = targets[0][1]
         if runners:  # the runner's copies are outside work, its (replayed) graph is not
             runner = next(iter(runners.values()))
-            inner, runner.forward_fn = runner.forward_fn, _count_inside(counter, runner.forward_fn)
+            inner = runner.forward_fn
+            runner.forward_fn = graph_calls = _GraphCalls(inner)
         else:
-            inner, graph.forward = graph.forward, _count_inside(counter, graph.forward)
+            inner = graph.forward
+            graph.forward = graph_calls = _GraphCalls(inner)
+        counter = _OpCounter(graph_calls)
         try:
             for batch in batches:
                 prompts = random_ids((batch, 24), text_config.vocab_size, special_ids(hf_config), generator)
@@ -91,14 +123,17 @@ def bench_engine_work(name: str, batches: list[int], backends: list[str], steps:
                     with counter:
                         engine.generate(requests, new_tokens, SamplingParams(), seed=0)
                     per_run.append(counter.counts)
-                rows.append({"backend": backend, "batch": batch, **_per_step(*per_run, steps)})
+                host_ms = _host_ms(engine, requests, graph_calls, steps, repeats)
+                rows.append(
+                    {"backend": backend, "batch": batch, **_per_step(*per_run, steps), "host_ms": host_ms}
+                )
         finally:
             if runners:
                 runner.forward_fn = inner
             else:
                 graph.forward = inner
             remove(targets)
-    return {"model": name, "steps": steps, "rows": rows}
+    return {"model": name, "steps": steps, "repeats": repeats, "rows": rows}
 
 
 def _per_step(short: Counter, long: Counter, steps: int) -> dict:
@@ -119,13 +154,17 @@ def markdown(result: dict) -> list[str]:
         "and the CUDA-graph runner's copies (torch-cudagraph runs them here without capture). Views and "
         "profiler ranges launch nothing and are not counted; a custom op counts once. On a GPU each op "
         "is a kernel launch or copy the host issues, each host tensor (built from Python values) a "
-        "host-to-device copy, and each device read a stall of the host until the device is idle.",
+        "host-to-device copy, and each device read a stall of the host until the device is idle. "
+        "Host ms: the decode step's time with the graph forward's own time taken out (median of "
+        f"{result['repeats']} runs on this CPU): the engine, the eager parts and the copies, the "
+        "work the host must finish within the device's step for running ahead to hide it.",
         "",
-        "| backend | batch | ops | host tensors | device reads |",
-        "|---|---|---|---|---|",
+        "| backend | batch | ops | host tensors | device reads | host ms |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['ops']:.0f} | {r['host_tensors']:.0f} | {r['device_reads']:.0f} |"
+            f"| {r['backend']} | {r['batch']} | {r['ops']:.0f} | {r['host_tensors']:.0f} | "
+            f"{r['device_reads']:.0f} | {r['host_ms']:.3f} |"
         )
     return lines
