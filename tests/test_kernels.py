@@ -7,11 +7,15 @@ rounding, and bfloat16 is checked on a GPU.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from conftest import TINY_MODELS
 
 import pipeline.attention.common  # noqa: F401  (registers attention_plan)
 from pipeline import kernels
+from pipeline.models import zoo
 from pipeline.transforms.ops import rms_norm_reference, rope_reference
 
 ops = torch.ops.pipeline
@@ -98,3 +102,36 @@ def test_ops_run_one_kernel_each_on_cuda():
         (ops.attention_plan.default, (q, kv_cache, qo_indptr, cache_lens, page_table)),
     ):  # the kernels' outputs are what the fake kernels promise tracing
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_kernels_keep_tokens(name):
+    """A tiny model's engine as it runs on CUDA (triton attention), with the kernels registered for
+    CPU tensors as well, so Triton's interpreter runs them at the models' own shapes and strides
+    (q/k views of the fused qkv, HF's cos/sin, multimodal RoPE, weightless QK-norm, the vision
+    towers' norms): greedy tokens equal the reference implementations'."""
+    from test_runtime import _engine, _requests
+
+    from pipeline.runtime.sampling import SamplingParams
+
+    engine, hf_config = _engine(
+        name, overrides=["transforms.insert_cached_attention.backend=triton"], backend="triton"
+    )
+    requests = _requests(hf_config, [5, 40], images=zoo.is_vlm(hf_config))
+    expected = engine.generate(requests, 5, SamplingParams(), seed=0).tokens
+    calls = Counter()
+
+    def counted(op: str):
+        def run(*args):
+            calls[op] += 1
+            return getattr(kernels, op)(*args)
+
+        return run
+
+    with torch.library._scoped_library("pipeline", "IMPL") as library:
+        for op in ("rms_norm", "rope", "attention_plan"):
+            library.impl(op, counted(op), "CPU")
+        assert engine.generate(requests, 5, SamplingParams(), seed=0).tokens == expected
+    uses_rope = hf_config.model_type != "llama4"  # Llama-4 rotates complex pairs (rope_complex)
+    assert calls["rms_norm"] and calls["attention_plan"] and bool(calls["rope"]) == uses_rope, calls
