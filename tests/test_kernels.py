@@ -16,7 +16,7 @@ from conftest import TINY_MODELS
 import pipeline.attention.common  # noqa: F401  (registers attention_plan)
 from pipeline import kernels
 from pipeline.models import zoo
-from pipeline.transforms.ops import rms_norm_reference, rope_reference
+from pipeline.transforms.ops import add_rms_norm_reference, rms_norm_reference, rope_reference
 
 ops = torch.ops.pipeline
 
@@ -43,6 +43,18 @@ def test_rms_norm_kernel(dtype, weight):
     rows_strided = x.transpose(0, 1)  # [5, 3, 96]: rows not evenly strided, copied first
     _assert_matches(kernels.rms_norm(rows_strided, w, 1e-5), rms_norm_reference(rows_strided, w, 1e-5))
     assert kernels.rms_norm(x[:0], w, 1e-5).shape == (0, 5, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weight", ["same", "none"])
+def test_add_rms_norm_kernel(dtype, weight):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(3, 5, 96, generator=g).mul(3).to(dtype) for _ in range(2))
+    w = torch.randn(96, generator=g).to(dtype) if weight == "same" else None
+    for out, expected in zip(
+        kernels.add_rms_norm(x, residual, w, 1e-5), add_rms_norm_reference(x, residual, w, 1e-5), strict=True
+    ):
+        _assert_matches(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -86,18 +98,22 @@ def test_ops_run_one_kernel_each_on_cuda():
     page_table = torch.tensor([[2, 3]], device="cuda", dtype=torch.int32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         normed = ops.rms_norm(x, w, 1e-5)
+        added = ops.add_rms_norm(x, x, w, 1e-5)
         rotated = ops.rope(q, cos, sin)
         plan = ops.attention_plan(q, kv_cache, qo_indptr, cache_lens, page_table)
         torch.cuda.synchronize()
     kernel_names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert sorted(kernel_names) == ["_attention_plan_kernel", "_rms_norm_kernel", "_rope_kernel"], (
-        kernel_names
-    )
+    assert sorted(kernel_names) == [
+        "_attention_plan_kernel", "_rms_norm_kernel", "_rms_norm_kernel", "_rope_kernel"
+    ], kernel_names  # fmt: skip
     torch.testing.assert_close(normed, rms_norm_reference(x, w, 1e-5))  # bfloat16: within 2 ulp (sum order)
     _assert_matches(rotated, rope_reference(q, cos, sin))
+    _assert_matches(added[1], x + x)
+    torch.testing.assert_close(added[0], rms_norm_reference(x + x, w, 1e-5))
     assert [t.tolist() for t in plan] == [[0], [0], [70], [3 * 64 + 6]]
     for op, args in (
         (ops.rms_norm.default, (x, w, 1e-5)),
+        (ops.add_rms_norm.default, (x, x, w, 1e-5)),
         (ops.rope.default, (q, cos, sin)),
         (ops.attention_plan.default, (q, kv_cache, qo_indptr, cache_lens, page_table)),
     ):  # the kernels' outputs are what the fake kernels promise tracing
@@ -130,8 +146,9 @@ def test_kernels_keep_tokens(name):
         return run
 
     with torch.library._scoped_library("pipeline", "IMPL") as library:
-        for op in ("rms_norm", "rope", "attention_plan"):
+        for op in ("rms_norm", "add_rms_norm", "rope", "attention_plan"):
             library.impl(op, counted(op), "CPU")
         assert engine.generate(requests, 5, SamplingParams(), seed=0).tokens == expected
     uses_rope = hf_config.model_type != "llama4"  # Llama-4 rotates complex pairs (rope_complex)
-    assert calls["rms_norm"] and calls["attention_plan"] and bool(calls["rope"]) == uses_rope, calls
+    assert calls["rms_norm"] and calls["add_rms_norm"] and calls["attention_plan"], calls
+    assert bool(calls["rope"]) == uses_rope, calls

@@ -52,6 +52,13 @@ def test_rms_norm_is_hf_rmsnorm(dtype):
     )
 
 
+def test_add_rms_norm_is_the_add_then_the_norm():
+    x, residual, weight = torch.randn(3, 5, 32), torch.randn(3, 5, 32), torch.randn(32)
+    normed, total = ops.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(total, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(normed, ops.rms_norm(x + residual, weight, 1e-6), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("op", "args"),
     [
@@ -65,8 +72,9 @@ def test_rms_norm_is_hf_rmsnorm(dtype):
             (torch.randn(2, 5, 4, 8), torch.polar(torch.ones(2, 5, 1, 4), torch.randn(2, 5, 1, 4))),
         ),
         (ops.rms_norm.default, (torch.randn(3, 8), torch.randn(8), 1e-5)),
+        (ops.add_rms_norm.default, (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), 1e-5)),
     ],
-    ids=["attention", "rope", "rope_complex", "rms_norm"],
+    ids=["attention", "rope", "rope_complex", "rms_norm", "add_rms_norm"],
 )
 def test_fake_kernels_pass_opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

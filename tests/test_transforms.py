@@ -13,26 +13,21 @@ from pipeline.models import zoo
 from pipeline.transforms import registry
 from pipeline.transforms.onednn_linear import OneDNNLinear
 
-# Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer; Llama-4's
-# second layer has no RoPE), RMSNorms (2 per layer + final; Llama-4 adds QK-norm on its RoPE layer),
-# fused GEMM groups (q/k/v and gate/up per layer; Llama-4's gate/up is the shared expert's), and a
-# cached attention per layer.
-EXPECTED = {
-    "tiny_mistral3": dict(
-        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
-    ),
-    "tiny_magistral": dict(
-        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
-    ),
-    "tiny_llama3_1_8b": dict(
-        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
-    ),
-    "tiny_qwen2_5_vl": dict(
-        match_attention=2, match_rope=4, match_rmsnorm=5, fuse_gemms=4, insert_cached_attention=2
-    ),
-    "tiny_llama4_scout": dict(
-        match_attention=2, match_rope=2, match_rmsnorm=7, fuse_gemms=4, insert_cached_attention=2
-    ),
+# Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer),
+# RMSNorms (2 per layer + final), residual adds fused into the norm after them (every norm but the
+# first layer's input norm), fused GEMM groups (q/k/v and gate/up per layer), and a cached attention
+# per layer. Llama-4's second layer has no RoPE, its RoPE layer adds a weightless QK-norm, and its
+# gate/up is the shared expert's.
+TWO_LAYERS = dict(
+    match_attention=2,
+    match_rope=4,
+    match_rmsnorm=5,
+    fuse_add_rmsnorm=4,
+    fuse_gemms=4,
+    insert_cached_attention=2,
+)
+EXPECTED = {name: TWO_LAYERS for name in TINY_MODELS} | {
+    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7}
 }
 
 
@@ -94,7 +89,7 @@ def test_default_transforms_match_every_layer_and_keep_outputs(name):
     _assert_same(model, calls, reference)
     graph = registry.find_graphs(model)[0][1]
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
-    assert "pipeline.rms_norm.default" in targets
+    assert "pipeline.rms_norm.default" in targets and "pipeline.add_rms_norm.default" in targets
     assert "aten.scaled_dot_product_attention.default" not in targets
     assert "pipeline.cached_attention.default" in targets and "pipeline.attention.default" not in targets
     assert not any("_assert_tensor_metadata" in t for t in targets)
@@ -134,6 +129,36 @@ def test_eager_attention_without_mask_and_with_division():
     expected = Attention()(q, k, v)
     assert registry.TRANSFORMS["match_attention"](registry.TransformConfig()).apply_graph(gm) == 1
     torch.testing.assert_close(gm(q, k, v), expected, rtol=0, atol=1e-5)
+
+
+def test_fuse_add_rmsnorm_only_where_the_sum_is_not_needed_sooner():
+    """Fused: a residual add read by the norm and later; not fused: the sum read before the norm (the
+    fused node stands at the norm), or an add that broadcasts."""
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+
+    class Residual(nn.Module):
+        def __init__(self, early_reader: bool):
+            super().__init__()
+            self.norm, self.early_reader = MistralRMSNorm(8), early_reader
+
+        def forward(self, x, residual):  # [B, S, 8], [B, S, 8] or a broadcast [8]
+            total = x + residual
+            early = total * 2 if self.early_reader else total
+            return self.norm(total) + early
+
+    x = torch.randn(2, 3, 8)
+    for module, residual, fused in (
+        (Residual(False), torch.randn(2, 3, 8), 1),
+        (Residual(True), torch.randn(2, 3, 8), 0),
+        (Residual(False), torch.randn(8), 0),
+    ):
+        with torch.no_grad():
+            module.norm.weight.uniform_(0.5, 1.5)
+        gm = torch.export.export(module, (x, residual)).module()
+        registry.TRANSFORMS["cleanup"](registry.TransformConfig()).apply_graph(gm)  # as the default list runs
+        assert registry.TRANSFORMS["match_rmsnorm"](registry.TransformConfig()).apply_graph(gm) == 1
+        assert registry.TRANSFORMS["fuse_add_rmsnorm"](registry.TransformConfig()).apply_graph(gm) == fused
+        torch.testing.assert_close(gm(x, residual), module(x, residual), rtol=0, atol=1e-6)
 
 
 def test_transformed_graph_stays_exportable():
@@ -218,15 +243,16 @@ def test_switches_from_the_command_line():
         "match_attention",
         "match_rope",
         "match_rmsnorm",
+        "fuse_add_rmsnorm",
         "fuse_gemms",
         "onednn_linear",
         "insert_cached_attention",
     ]
-    assert not parsed[4].config.enabled
+    assert not parsed[5].config.enabled
     model, _, _ = _captured("tiny_magistral")
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, history)
-    assert history.records[4].status == "disabled"
+    assert history.records[5].status == "disabled"
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

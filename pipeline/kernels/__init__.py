@@ -13,9 +13,9 @@ import importlib.util
 
 if importlib.util.find_spec("triton") is not None:
     from pipeline.kernels.triton_attention_plan import attention_plan
-    from pipeline.kernels.triton_rms_norm import rms_norm
+    from pipeline.kernels.triton_rms_norm import add_rms_norm, rms_norm
     from pipeline.kernels.triton_rope import rope
 else:  # no Triton (torch's CUDA builds ship it): CUDA runs the reference implementations
-    attention_plan = rms_norm = rope = None
+    add_rms_norm = attention_plan = rms_norm = rope = None
 
-__all__ = ["attention_plan", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "attention_plan", "rms_norm", "rope"]

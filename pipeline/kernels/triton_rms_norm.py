@@ -1,7 +1,9 @@
-"""`pipeline::rms_norm` on CUDA: one program per row, the row held in registers.
+"""`pipeline::rms_norm` and `pipeline::add_rms_norm` on CUDA: one program per row, the row held in
+registers.
 
-Rounding follows the reference (and HF): the normalized row is computed in float32 and rounded to
-the input dtype before it is multiplied by the weight in the result dtype.
+Rounding follows the reference (and HF): the residual sum is rounded to its dtype (it is what the
+next residual add reads), the normalized row is computed in float32 and rounded to the input dtype
+before it is multiplied by the weight in the result dtype.
 """
 
 from __future__ import annotations
@@ -13,43 +15,76 @@ from torch import Tensor
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, OUT, stride_x, stride_out, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
-    # x: [rows, D] with row stride stride_x; w: [D]; out: [rows, D] with row stride stride_out
+def _rms_norm_kernel(
+    X,
+    RESIDUAL,
+    SUM,
+    W,
+    OUT,
+    D,
+    eps,
+    stride_x,
+    stride_r,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # x, residual: [rows, D] with row strides stride_x, stride_r; sum, out: [rows, D] contiguous;
+    # w: [D]. Without a residual the norm is of x itself.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(RESIDUAL + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(SUM.dtype.element_ty)
+        tl.store(SUM + row * D + cols, x, mask=mask)
+    x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    normed = (x * inv_rms).to(X.dtype.element_ty)
+    normed = (x * inv_rms).to(SUM.dtype.element_ty if HAS_RESIDUAL else X.dtype.element_ty)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=mask, other=0.0)
         out = w.to(tl.float32) * normed.to(tl.float32)
     else:
         out = normed
-    tl.store(OUT + row * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + row * D + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """[..., D] -> [rows, D] with a unit last stride (a view unless rows are not evenly strided)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    d = x.shape[-1]
+    rows = _rows(x)
+    residual_rows = rows if residual is None else _rows(residual)
+    total = (
+        torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
+        if residual is not None
+        else x
+    )
+    dtype = total.dtype if weight is None else torch.result_type(weight, total)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, residual_rows, total, rows if weight is None else weight.contiguous(), out,  # unread when absent
+            d, eps, rows.stride(0), residual_rows.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+    return out, total
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """x: [..., D]; weight: [D] or None; returns [..., D] in result_type(weight, x), contiguous."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)  # a view unless x's rows are not evenly strided
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    dtype = x.dtype if weight is None else torch.result_type(weight, x)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if rows.shape[0] == 0:
-        return out
-    block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows,
-        rows if weight is None else weight.contiguous(),  # unread without a weight
-        out,
-        rows.stride(0),
-        d,
-        d,
-        eps,
-        HAS_WEIGHT=weight is not None,
-        BLOCK=block,
-        num_warps=min(max(block // 256, 1), 8),
-    )
-    return out
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """x, residual: [..., D], one shape; returns (rms_norm(x + residual), x + residual), contiguous."""
+    return _launch(x, residual, weight, eps)

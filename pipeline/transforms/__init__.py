@@ -2,6 +2,7 @@
 
 from pipeline.transforms import (  # noqa: F401
     cleanup,
+    fuse_add_rmsnorm,
     fuse_gemms,
     insert_cached_attention,
     match_attention,

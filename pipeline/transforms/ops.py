@@ -3,7 +3,7 @@
 Registered ops (pipeline/library.py) keep their names and input shapes in the profiler and survive
 export and compile.
 Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing;
-rms_norm and rope run as one Triton kernel each on CUDA (pipeline/kernels).
+rms_norm, add_rms_norm and rope run as one Triton kernel each on CUDA (pipeline/kernels).
 Layouts are explicit in the signatures; shapes are noted as [B, H, S, D] = batch, heads, sequence,
 head dim.
 """
@@ -96,6 +96,31 @@ def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 def _rms_norm_fake(x, weight, eps):
     dtype = x.dtype if weight is None else torch.result_type(weight, x)
     return x.new_empty(x.shape, dtype=dtype)
+
+
+@op("add_rms_norm", cuda=kernels.add_rms_norm)
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the RMSNorm after it: (rms_norm(x + residual), x + residual).
+
+    x, residual: [..., D] of one shape and dtype (the decoder layer's output and its residual
+    stream); the sum is also returned, since the next residual add reads it.
+    """
+    normed, total = add_rms_norm_reference(x, residual, weight, eps)
+    return normed.contiguous(), total.contiguous()
+
+
+def add_rms_norm_reference(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """pipeline::add_rms_norm in plain aten ops (what Inductor compiles it as)."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
+@fake("add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    total = x.new_empty(x.shape, dtype=torch.result_type(x, residual))
+    return _rms_norm_fake(total, weight, eps), total
 
 
 @op("onednn_linear")
