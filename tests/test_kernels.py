@@ -16,7 +16,12 @@ from conftest import TINY_MODELS
 import pipeline.attention.common  # noqa: F401  (registers attention_plan)
 from pipeline import kernels
 from pipeline.models import zoo
-from pipeline.transforms.ops import add_rms_norm_reference, rms_norm_reference, rope_reference
+from pipeline.transforms.ops import (
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rope_reference,
+    silu_and_mul_reference,
+)
 
 ops = torch.ops.pipeline
 
@@ -55,6 +60,18 @@ def test_add_rms_norm_kernel(dtype, weight):
         kernels.add_rms_norm(x, residual, w, 1e-5), add_rms_norm_reference(x, residual, w, 1e-5), strict=True
     ):
         _assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_kernel(dtype):
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(3, 5, 2 * 1500, generator=g).mul(3).to(dtype)  # two column blocks per half
+    wider = torch.randn(3, 5, 4 + 2 * 64, generator=g).to(dtype)[..., 4:]  # rows strided, as a slice
+    for x in (gate_up, wider):
+        out, expected = kernels.silu_and_mul(x), silu_and_mul_reference(x)
+        assert out.dtype == expected.dtype and out.shape == expected.shape and out.is_contiguous()
+        # exp may differ in float32's last bit, which can move a float16 rounding by one ulp
+        torch.testing.assert_close(out, expected, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -99,21 +116,24 @@ def test_ops_run_one_kernel_each_on_cuda():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         normed = ops.rms_norm(x, w, 1e-5)
         added = ops.add_rms_norm(x, x, w, 1e-5)
+        activated = ops.silu_and_mul(x)
         rotated = ops.rope(q, cos, sin)
         plan = ops.attention_plan(q, kv_cache, qo_indptr, cache_lens, page_table)
         torch.cuda.synchronize()
     kernel_names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sorted(kernel_names) == [
-        "_attention_plan_kernel", "_rms_norm_kernel", "_rms_norm_kernel", "_rope_kernel"
+        "_attention_plan_kernel", "_rms_norm_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel"
     ], kernel_names  # fmt: skip
     torch.testing.assert_close(normed, rms_norm_reference(x, w, 1e-5))  # bfloat16: within 2 ulp (sum order)
     _assert_matches(rotated, rope_reference(q, cos, sin))
     _assert_matches(added[1], x + x)
+    torch.testing.assert_close(activated, silu_and_mul_reference(x))
     torch.testing.assert_close(added[0], rms_norm_reference(x + x, w, 1e-5))
     assert [t.tolist() for t in plan] == [[0], [0], [70], [3 * 64 + 6]]
     for op, args in (
         (ops.rms_norm.default, (x, w, 1e-5)),
         (ops.add_rms_norm.default, (x, x, w, 1e-5)),
+        (ops.silu_and_mul.default, (x,)),
         (ops.rope.default, (q, cos, sin)),
         (ops.attention_plan.default, (q, kv_cache, qo_indptr, cache_lens, page_table)),
     ):  # the kernels' outputs are what the fake kernels promise tracing
@@ -146,9 +166,11 @@ def test_kernels_keep_tokens(name):
         return run
 
     with torch.library._scoped_library("pipeline", "IMPL") as library:
-        for op in ("rms_norm", "add_rms_norm", "rope", "attention_plan"):
+        for op in ("rms_norm", "add_rms_norm", "rope", "silu_and_mul", "attention_plan"):
             library.impl(op, counted(op), "CPU")
         assert engine.generate(requests, 5, SamplingParams(), seed=0).tokens == expected
     uses_rope = hf_config.model_type != "llama4"  # Llama-4 rotates complex pairs (rope_complex)
-    assert calls["rms_norm"] and calls["add_rms_norm"] and calls["attention_plan"], calls
+    assert (
+        calls["rms_norm"] and calls["add_rms_norm"] and calls["silu_and_mul"] and calls["attention_plan"]
+    ), calls
     assert bool(calls["rope"]) == uses_rope, calls

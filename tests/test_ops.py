@@ -59,6 +59,12 @@ def test_add_rms_norm_is_the_add_then_the_norm():
     torch.testing.assert_close(normed, ops.rms_norm(x + residual, weight, 1e-6), rtol=0, atol=0)
 
 
+def test_silu_and_mul_is_the_gated_activation():
+    gate_up = torch.randn(3, 5, 64)
+    expected = F.silu(gate_up[..., :32]) * gate_up[..., 32:]
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("op", "args"),
     [
@@ -73,8 +79,9 @@ def test_add_rms_norm_is_the_add_then_the_norm():
         ),
         (ops.rms_norm.default, (torch.randn(3, 8), torch.randn(8), 1e-5)),
         (ops.add_rms_norm.default, (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), 1e-5)),
+        (ops.silu_and_mul.default, (torch.randn(3, 16),)),
     ],
-    ids=["attention", "rope", "rope_complex", "rms_norm", "add_rms_norm"],
+    ids=["attention", "rope", "rope_complex", "rms_norm", "add_rms_norm", "silu_and_mul"],
 )
 def test_fake_kernels_pass_opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

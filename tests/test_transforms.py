@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg
 from torch import fx, nn
 
@@ -15,19 +16,21 @@ from pipeline.transforms.onednn_linear import OneDNNLinear
 
 # Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer),
 # RMSNorms (2 per layer + final), residual adds fused into the norm after them (every norm but the
-# first layer's input norm), fused GEMM groups (q/k/v and gate/up per layer), and a cached attention
-# per layer. Llama-4's second layer has no RoPE, its RoPE layer adds a weightless QK-norm, and its
-# gate/up is the shared expert's.
+# first layer's input norm), fused GEMM groups (q/k/v and gate/up per layer), gated activations
+# on a fused gate/up, and a cached attention per layer. Llama-4's second layer has no RoPE, its RoPE
+# layer adds a weightless QK-norm, its gate/up is the shared expert's (with the router's columns),
+# and its routed experts' gate/up (a chunked bmm) is a second gated activation per layer.
 TWO_LAYERS = dict(
     match_attention=2,
     match_rope=4,
     match_rmsnorm=5,
     fuse_add_rmsnorm=4,
     fuse_gemms=4,
+    fuse_silu_and_mul=2,
     insert_cached_attention=2,
 )
 EXPECTED = {name: TWO_LAYERS for name in TINY_MODELS} | {
-    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7}
+    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7, "fuse_silu_and_mul": 4}
 }
 
 
@@ -90,6 +93,7 @@ def test_default_transforms_match_every_layer_and_keep_outputs(name):
     graph = registry.find_graphs(model)[0][1]
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert "pipeline.rms_norm.default" in targets and "pipeline.add_rms_norm.default" in targets
+    assert "pipeline.silu_and_mul.default" in targets and "aten.silu.default" not in targets
     assert "aten.scaled_dot_product_attention.default" not in targets
     assert "pipeline.cached_attention.default" in targets and "pipeline.attention.default" not in targets
     assert not any("_assert_tensor_metadata" in t for t in targets)
@@ -159,6 +163,24 @@ def test_fuse_add_rmsnorm_only_where_the_sum_is_not_needed_sooner():
         assert registry.TRANSFORMS["match_rmsnorm"](registry.TransformConfig()).apply_graph(gm) == 1
         assert registry.TRANSFORMS["fuse_add_rmsnorm"](registry.TransformConfig()).apply_graph(gm) == fused
         torch.testing.assert_close(gm(x, residual), module(x, residual), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "pieces", "fused"),
+    [([4, 4], (0, 1), 1), ([2, 4, 4], (1, 2), 1), ([4, 4, 4], (0, 2), 0), ([4, 4], (1, 0), 0)],
+    ids=["halves", "after-other-columns", "not-neighbours", "up-first"],
+)
+def test_fuse_silu_and_mul_takes_gate_then_up_side_by_side(sizes, pieces, fused):
+    class GatedActivation(nn.Module):
+        def forward(self, gate_up):  # [B, sum(sizes)]
+            split = gate_up.split(sizes, dim=-1)
+            return F.silu(split[pieces[0]]) * split[pieces[1]]
+
+    gate_up = torch.randn(3, sum(sizes))
+    gm = torch.export.export(GatedActivation(), (gate_up,)).module()
+    registry.TRANSFORMS["cleanup"](registry.TransformConfig()).apply_graph(gm)
+    assert registry.TRANSFORMS["fuse_silu_and_mul"](registry.TransformConfig()).apply_graph(gm) == fused
+    torch.testing.assert_close(gm(gate_up), GatedActivation()(gate_up), rtol=0, atol=0)
 
 
 def test_transformed_graph_stays_exportable():
@@ -245,6 +267,7 @@ def test_switches_from_the_command_line():
         "match_rmsnorm",
         "fuse_add_rmsnorm",
         "fuse_gemms",
+        "fuse_silu_and_mul",
         "onednn_linear",
         "insert_cached_attention",
     ]

@@ -4,10 +4,10 @@ The forward is replaced on the graph module itself, so its kwargs adapter (a for
 still runs eagerly in front, and the module tree, attribute names and profiler module events stay
 those of the graph module.
 
-Inductor compiles the canonical elementwise ops (rms_norm, add_rms_norm, rope) from their aten
-definitions, so they fuse with their neighbours (the q/k split before RoPE, the residual add before
-a norm where fuse_add_rmsnorm is off) instead of running as opaque calls; attention and linear stay
-library kernels. Eager and torch-simple runs keep the ops as they are.
+Inductor compiles the canonical elementwise ops (rms_norm, add_rms_norm, rope, silu_and_mul) from
+their aten definitions, so they fuse with their neighbours (the q/k split before RoPE, the residual
+add before a norm where fuse_add_rmsnorm is off) instead of running as opaque calls; attention and
+linear stay library kernels. Eager and torch-simple runs keep the ops as they are.
 """
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ import torch
 from torch import nn
 from torch._inductor.decomposition import register_decomposition
 
-from pipeline.transforms.ops import add_rms_norm_reference, rms_norm_reference, rope_reference
+from pipeline.transforms.ops import (
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rope_reference,
+    silu_and_mul_reference,
+)
 
 _DECOMPOSED = {
     torch.ops.pipeline.rms_norm.default: rms_norm_reference,
     torch.ops.pipeline.add_rms_norm.default: add_rms_norm_reference,
     torch.ops.pipeline.rope.default: rope_reference,
+    torch.ops.pipeline.silu_and_mul.default: silu_and_mul_reference,
 }
 for _op, _reference in _DECOMPOSED.items():
     register_decomposition(_op)(_reference)

@@ -15,7 +15,8 @@ if importlib.util.find_spec("triton") is not None:
     from pipeline.kernels.triton_attention_plan import attention_plan
     from pipeline.kernels.triton_rms_norm import add_rms_norm, rms_norm
     from pipeline.kernels.triton_rope import rope
+    from pipeline.kernels.triton_silu_and_mul import silu_and_mul
 else:  # no Triton (torch's CUDA builds ship it): CUDA runs the reference implementations
-    add_rms_norm = attention_plan = rms_norm = rope = None
+    add_rms_norm = attention_plan = rms_norm = rope = silu_and_mul = None
 
-__all__ = ["add_rms_norm", "attention_plan", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "attention_plan", "rms_norm", "rope", "silu_and_mul"]

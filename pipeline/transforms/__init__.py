@@ -4,6 +4,7 @@ from pipeline.transforms import (  # noqa: F401
     cleanup,
     fuse_add_rmsnorm,
     fuse_gemms,
+    fuse_silu_and_mul,
     insert_cached_attention,
     match_attention,
     match_rmsnorm,

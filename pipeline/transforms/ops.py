@@ -3,7 +3,8 @@
 Registered ops (pipeline/library.py) keep their names and input shapes in the profiler and survive
 export and compile.
 Each has a reference implementation that runs on CPU (and GPU) and a fake kernel for tracing;
-rms_norm, add_rms_norm and rope run as one Triton kernel each on CUDA (pipeline/kernels).
+rms_norm, add_rms_norm, rope and silu_and_mul run as one Triton kernel each on CUDA
+(pipeline/kernels).
 Layouts are explicit in the signatures; shapes are noted as [B, H, S, D] = batch, heads, sequence,
 head dim.
 """
@@ -121,6 +122,26 @@ def add_rms_norm_reference(
 def _add_rms_norm_fake(x, residual, weight, eps):
     total = x.new_empty(x.shape, dtype=torch.result_type(x, residual))
     return _rms_norm_fake(total, weight, eps), total
+
+
+@op("silu_and_mul", cuda=kernels.silu_and_mul)
+def silu_and_mul(x: Tensor) -> Tensor:
+    """The gated MLP's activation on its fused gate/up projection: silu(gate) * up.
+
+    x: [..., 2 * I], gate then up on the last dim; returns [..., I].
+    """
+    return silu_and_mul_reference(x).contiguous()
+
+
+def silu_and_mul_reference(x: Tensor) -> Tensor:
+    """pipeline::silu_and_mul in plain aten ops (what Inductor compiles it as)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@fake("silu_and_mul")
+def _silu_and_mul_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 @op("onednn_linear")
