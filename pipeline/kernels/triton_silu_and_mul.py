@@ -34,7 +34,8 @@ def silu_and_mul(x: Tensor) -> Tensor:
         rows = rows.contiguous()
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if rows.shape[0] and width:
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK))](
-            rows, out, width, rows.stride(0), BLOCK=min(BLOCK, triton.next_power_of_2(width))
+        block = min(BLOCK, triton.next_power_of_2(width))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
+            rows, out, width, rows.stride(0), BLOCK=block
         )
     return out
