@@ -201,6 +201,24 @@ def test_tables_cut_by_depth_and_top_k():
     assert "... 1 more" in top
 
 
+@pytest.mark.parametrize(
+    ("kernel", "category"),
+    [
+        ("_rms_norm_kernel", "norm"),
+        ("pipeline::add_rms_norm", "norm"),
+        ("_rope_kernel", "rope"),
+        ("_silu_and_mul_kernel", "elementwise"),
+        ("pipeline::silu_and_mul", "elementwise"),
+        ("_attention_plan_kernel", "attention"),
+        ("_paged_attention_kernel", "attention"),
+        ("pipeline::onednn_linear", "gemm"),
+    ],
+)
+def test_default_categories_place_the_pipelines_own_kernels(kernel, category):
+    """The Triton kernels (GPU names) and canonical ops (CPU names) land in their categories."""
+    assert CATEGORIES(kernel) == category
+
+
 def test_bad_kernel_category_regex_is_refused():
     with pytest.raises(ConfigError, match=r"profile.kernel_categories.gemm"):
         validate(compose_cfg(["profile.kernel_categories.gemm='(unclosed'"]), cuda_available=False)
