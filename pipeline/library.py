@@ -9,11 +9,14 @@ about 0.3 ms of a 4.6 ms decode step. The ops are for inference: they have no au
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
 LIBRARY = torch.library.Library("pipeline", "FRAGMENT")
+REFERENCES: dict[str, Callable] = {}  # ops with a CUDA kernel: name -> its reference implementation
 
 
 def op(name: str, schema: str | None = None, cuda: Callable | None = None):
@@ -27,6 +30,7 @@ def op(name: str, schema: str | None = None, cuda: Callable | None = None):
         LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
         if cuda is not None:
             LIBRARY.impl(name, cuda, "CUDA")
+            REFERENCES[name] = impl
         return getattr(torch.ops.pipeline, name).default
 
     return register
@@ -35,3 +39,14 @@ def op(name: str, schema: str | None = None, cuda: Callable | None = None):
 def fake(name: str):
     """Register the decorated function as `pipeline::<name>`'s fake kernel (shapes for tracing)."""
     return torch.library.register_fake(f"pipeline::{name}", lib=LIBRARY)
+
+
+@contextlib.contextmanager
+def references_on_cuda() -> Iterator[None]:
+    """Inside, CUDA tensors take the ops' reference implementations (chains of aten kernels) in
+    place of their CUDA kernels; the kernels are back on exit. For the benchmark's A/B of them."""
+    with torch.library._scoped_library("pipeline", "IMPL") as overrides, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        for name, impl in REFERENCES.items():
+            overrides.impl(name, impl, "CUDA")
+        yield

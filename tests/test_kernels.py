@@ -174,3 +174,38 @@ def test_kernels_keep_tokens(name):
         calls["rms_norm"] and calls["add_rms_norm"] and calls["silu_and_mul"] and calls["attention_plan"]
     ), calls
     assert bool(calls["rope"]) == uses_rope, calls
+
+
+def _cuda_kernel_source(op: str) -> str:
+    """Where the op's active CUDA kernel was registered, from the dispatcher's table."""
+    return next(
+        line for line in torch._C._dispatch_dump(f"pipeline::{op}").splitlines() if line.startswith("CUDA:")
+    )
+
+
+def test_references_on_cuda_swaps_the_kernels_and_back():
+    """The bench's A/B: inside, every op with a CUDA kernel takes its reference implementation on CUDA."""
+    from pipeline.library import REFERENCES, references_on_cuda
+
+    assert sorted(REFERENCES) == ["add_rms_norm", "attention_plan", "rms_norm", "rope", "silu_and_mul"]
+    registered = {op: _cuda_kernel_source(op) for op in REFERENCES}
+    assert all("pipeline/library.py" in source for source in registered.values()), registered
+    with references_on_cuda():
+        assert all(_cuda_kernel_source(op) != registered[op] for op in REFERENCES)
+    assert {op: _cuda_kernel_source(op) for op in REFERENCES} == registered
+
+
+@pytest.mark.cuda
+def test_references_on_cuda_launch_no_triton_kernel():
+    from pipeline.library import references_on_cuda
+
+    x, w = torch.randn(4, 512, device="cuda"), torch.randn(512, device="cuda")
+    with (
+        references_on_cuda(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
+    ):
+        normed = ops.rms_norm(x, w, 1e-5)
+        torch.cuda.synchronize()
+    kernel_names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert "_rms_norm_kernel" not in kernel_names and len(kernel_names) > 1, kernel_names
+    torch.testing.assert_close(normed, rms_norm_reference(x, w, 1e-5), rtol=0, atol=0)

@@ -254,6 +254,7 @@ def main() -> None:
                     torch.bfloat16,
                     GPU_BACKENDS,
                     stepped=["torch-cudagraph"],
+                    without_kernels=["torch-cudagraph"],
                 )
             )
             GPU_RESULTS.write_text(json.dumps(gpu, indent=2))  # each model as soon as it is done

@@ -8,6 +8,7 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -17,6 +18,7 @@ import torch
 from pipeline.bench.limits import gemv_read_gbs
 from pipeline.bench.setup import compose
 from pipeline.export import graph_capture
+from pipeline.library import references_on_cuda
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
 from pipeline.models.memory import decode_weight_bytes
@@ -173,9 +175,11 @@ def bench_backends(
     dtype: torch.dtype,
     backends: list[str],
     stepped: tuple[str, ...] | list[str] = (),
+    without_kernels: tuple[str, ...] | list[str] = (),
 ) -> dict:
     """Per runner, same weights and batch, one process: HF eager, HF static cache + torch.compile,
-    and demollm with each backend (and each of `stepped` again with runtime.lookahead 0). Runners
+    and demollm with each backend (each of `stepped` again with runtime.lookahead 0, and each of
+    `without_kernels` again with the canonical ops' reference aten chains on CUDA). Runners
     take turns, one sample each per round, so that a slow phase of a noisy machine lands on all of
     them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
     is a row with its error, not a lost table."""
@@ -206,13 +210,15 @@ def bench_backends(
     targets = find_graphs(ours)
     requests = [Request(i, prompts[i].tolist()) for i in range(batch)]
 
-    def demollm_sample(backend: str, lookahead: int) -> tuple[float, float]:
+    def demollm_sample(backend: str, lookahead: int, kernels: bool = True) -> tuple[float, float]:
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
         capture_backends.apply(backend, targets, cfg.runtime, None, on_cuda=device.type == "cuda")
         engine.lookahead = lookahead
         try:
-            engine.generate(requests, 3, SamplingParams(), seed=0)  # CUDA graphs captured, caches warm
-            run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+            # CUDA graphs are captured in the first generate, with the kernels active then
+            with contextlib.nullcontext() if kernels else references_on_cuda():
+                engine.generate(requests, 3, SamplingParams(), seed=0)  # caches warm
+                run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
             return statistics.median(run.decode_step_s), run.prefill_s
         finally:
             capture_backends.remove(targets)
@@ -225,6 +231,11 @@ def bench_backends(
         # The same backend with every step's tokens read before the next is launched: what the
         # host running ahead is worth.
         **{f"demollm {b}, lookahead 0": (lambda b=b: demollm_sample(b, 0)) for b in stepped},
+        # The same backend with the aten chains the Triton kernels replace: what the kernels are worth.
+        **{
+            f"demollm {b}, aten ops": (lambda b=b: demollm_sample(b, cfg.runtime.lookahead, kernels=False))
+            for b in without_kernels
+        },
     }
     samples: dict[str, list[tuple[float, float]]] = {runner: [] for runner in runners}
     errors: dict[str, str] = {}
