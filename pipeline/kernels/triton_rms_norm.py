@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pipeline.kernels.layout import as_rows
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -50,16 +52,10 @@ def _rms_norm_kernel(
     tl.store(OUT + row * D + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """[..., D] -> [rows, D] with a unit last stride (a view unless rows are not evenly strided)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     d = x.shape[-1]
-    rows = _rows(x)
-    residual_rows = rows if residual is None else _rows(residual)
+    rows = as_rows(x)
+    residual_rows = rows if residual is None else as_rows(residual)
     total = (
         torch.empty(x.shape, dtype=torch.result_type(x, residual), device=x.device)
         if residual is not None

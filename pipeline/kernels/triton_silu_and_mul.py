@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pipeline.kernels.layout import as_rows
+
 BLOCK = 1024  # columns per program: the intermediate size is up to tens of thousands
 
 
@@ -29,9 +31,7 @@ def _silu_and_mul_kernel(X, OUT, width, stride_x, BLOCK: tl.constexpr):
 def silu_and_mul(x: Tensor) -> Tensor:
     """x: [..., 2 * I] -> [..., I], contiguous."""
     width = x.shape[-1] // 2
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x)
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if rows.shape[0] and width:
         block = min(BLOCK, triton.next_power_of_2(width))
