@@ -10,7 +10,9 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import sweep
-from pipeline.config import register_schemas, validate
+from pipeline.config import PipelineConfig, register_schemas, typed, validate
+from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
 from pipeline.sweep import record_job_failure
 
@@ -53,21 +56,8 @@ def job(cfg: DictConfig) -> None:
         log.exception("job failed")
         _record_failure(cfg, exc)
     finally:
-        if multirun:
-            _release_memory()
-
-
-def _release_memory() -> None:
-    """Sweep jobs share one process (basic launcher): the next job's memory check must see the
-    memory this job's model held. Dynamo's caches keep compiled graphs (and their weights) alive."""
-    import gc
-
-    import torch
-
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        if multirun:  # sweep jobs share one process (basic launcher): the next job's memory check
+            free_memory()  # must see the memory this job's model held
 
 
 def _job_name(hydra_cfg) -> str | None:
@@ -83,43 +73,58 @@ def _record_failure(cfg: DictConfig, exc: BaseException) -> None:
     record_job_failure(cfg, folder, _job_name(hydra_cfg) or folder.name, exc)
 
 
-def check_config(cfg: DictConfig, cuda_available: bool) -> tuple:
-    """Every check that needs no model, in order: (hf_config, model class), or a ConfigError that
-    names the key and the fix."""
-    from pipeline.models import zoo
+@dataclass
+class CheckedConfig:
+    """A config that passed every check that needs no weights."""
+
+    config: PipelineConfig
+    hf_config: Any
+    model_cls: type
+    params: int  # counted on the meta device
+
+
+def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
+    """Every check that needs no weights, in order, or a ConfigError that names the key and the fix.
+    The last ones run on the model built on the meta device (no memory)."""
+    from pipeline.models import meta, zoo
     from pipeline.models.tokenizer import has_tokenizer
     from pipeline.runtime.requests import check_images, check_queries, check_workload
     from pipeline.transforms import registry
 
-    validate(cfg, cuda_available)
-    registry.parse(cfg.transforms)
-    check_queries(cfg.prompt.queries, has_tokenizer(cfg.model.checkpoint))
-    hf_config = zoo.build_hf_config(cfg.model)
-    check_images(cfg.prompt.images, hf_config)
-    check_workload(cfg, hf_config)
-    return hf_config, zoo.resolve_model_class(cfg.model, hf_config)
+    config = typed(cfg)
+    validate(config, cuda_available)
+    registry.parse(config.transforms)
+    check_queries(config.prompt.queries, has_tokenizer(config.model.checkpoint))
+    hf_config = zoo.build_hf_config(config.model)
+    check_images(config.prompt.images, hf_config)
+    check_workload(config, hf_config)
+    model_cls = zoo.resolve_model_class(config.model, hf_config)
+    skeleton = meta.meta_model(model_cls, hf_config)
+    meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)
+    return CheckedConfig(config, hf_config, model_cls, meta.parameter_count(skeleton))
 
 
 def _job(cfg: DictConfig) -> None:
-    hf_config, model_cls = check_config(cfg, _cuda_available())
-    if cfg.dry_run:
+    checked = check_config(cfg, _cuda_available())
+    if checked.config.dry_run:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return
     from pipeline.models.memory import auto_dtype, check_fits
-    from pipeline.runner import Runner, resolve_device, resolve_dtype
+    from pipeline.runner import Runner
 
-    device = resolve_device(cfg.device)
+    config = checked.config
+    device = resolve_device(config.device)
     note = None
-    if cfg.dtype == "auto":
-        dtype, note = auto_dtype(model_cls, hf_config, cfg.runtime, device)
+    if config.dtype == "auto":
+        dtype, note = auto_dtype(checked.params, checked.hf_config, config.runtime, device)
     else:
-        dtype = resolve_dtype(cfg.dtype, device)
-    check_fits(model_cls, hf_config, cfg.runtime, cfg.model.name, dtype, device)
+        dtype = resolve_dtype(config.dtype, device)
+    check_fits(checked.params, checked.hf_config, config.runtime, config.model.name, dtype, device)
     if note:
         log.warning(note)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    Runner(cfg, run_dir, hf_config, _job_name(hydra_cfg), dtype).run()
+    Runner(config, run_dir, checked.hf_config, _job_name(hydra_cfg), dtype).run()
     log.info("run folder: %s", run_dir)
 
 

@@ -1,20 +1,26 @@
-"""Structured-config schemas and the up-front checks.
+"""Structured-config schemas, the typed config every package receives, and the up-front checks.
 
 The dataclasses below are registered in Hydra's ConfigStore as the schema of `conf/config.yaml`, so a
-misspelt key or a value of the wrong type fails at composition. `validate()` then checks what a
-schema cannot express (cross-field limits, what this machine can run) before any model is built.
-Every failure here is a `ConfigError`: one line naming the key and the fix, exit code 2.
+value of the wrong type fails at composition. `typed()` turns the composed DictConfig into a
+`PipelineConfig` once, refusing keys the schema does not have (also those added with `+`); from
+there on packages receive their section as a dataclass (`RuntimeConfig`, `PromptConfig`, ...), never
+a DictConfig. `validate()` then runs the per-section checks of what a schema cannot express
+(cross-field limits, what this machine can run) before any model is built. Every failure here is a
+`ConfigError`: one line naming the key and the fix, exit code 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline.errors import ConfigError
 
@@ -138,6 +144,33 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
 
 
+def _unknown_keys(node: DictConfig, schema: type, prefix: str) -> None:
+    """Hydra lets `+key=value` add a key to a structured config, and OmegaConf.to_object drops it
+    silently: refuse every key the schema's dataclass does not declare. Fields typed as dicts
+    (hf_config, model_kwargs, transforms, kernel_categories) take any keys; their own checks
+    (the HF config class, the transform registry) judge them."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            raise ConfigError(
+                f"{path} is not a config key; {hint}{prefix.rstrip('.') or 'the top level'} has: "
+                f"{', '.join(fields)}"
+            )
+        value = node._get_node(key)
+        sub_schema = OmegaConf.get_type(value) if isinstance(value, DictConfig) else None
+        if sub_schema is not None and dataclasses.is_dataclass(sub_schema):
+            _unknown_keys(value, sub_schema, f"{path}.")
+
+
+def typed(cfg: DictConfig) -> PipelineConfig:
+    """The composed config as a PipelineConfig (sections are dataclasses), after refusing unknown keys."""
+    _unknown_keys(cfg, PipelineConfig, "")
+    return OmegaConf.to_object(cfg)
+
+
 BACKENDS = ("auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt")
 CUDA_ONLY_BACKENDS = ("torch-cudagraph", "torch-opt")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
@@ -146,28 +179,17 @@ CAPTURE_MODES = ("none", "full", "partial")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value} is not known; use one of: {', '.join(allowed)}")
-
-
 # Sanity limits, so that a typo cannot ask for terabytes before anything is built.
 MAX_IMAGE_SIDE = 16384  # pixels
 MAX_LOOKAHEAD = 4  # steps computed ahead are wasted for a sequence that already ended
 MAX_SEQ_LEN = 1 << 20  # tokens
 
 
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key}={value} must be positive")
-
-
-def runs_on_cuda(cfg: Any, cuda_available: bool) -> bool:
+def runs_on_cuda(cfg: PipelineConfig, cuda_available: bool) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
 
 
-def resolve_backend(cfg: Any, on_cuda: bool) -> str:
+def resolve_backend(cfg: PipelineConfig, on_cuda: bool) -> str:
     """`auto`: capture=none is always the plain eager baseline; else torch-opt on CUDA, torch-compile on CPU."""
     if cfg.backend.name != "auto":
         return cfg.backend.name
@@ -176,14 +198,29 @@ def resolve_backend(cfg: Any, on_cuda: bool) -> str:
     return "torch-opt" if on_cuda else "torch-compile"
 
 
-def resolve_attention(cfg: Any, on_cuda: bool) -> str:
-    from pipeline.attention import resolve
+def resolve_attention(name: str, on_cuda: bool) -> str:
+    """`auto`: on CUDA flashinfer where installed, else triton; torch on CPU. Not torch on CUDA: a
+    captured decode step needs static shapes, so there the torch backend gathers and attends over
+    every page of the table (runtime.max_seq_len keys) each step, where the kernels read only the
+    sequence's own pages."""
+    if name != "auto":
+        return name
+    if not on_cuda:
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
-    return resolve(cfg.attention.name, on_cuda)
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value} is not known; use one of: {', '.join(allowed)}")
 
 
-def validate(cfg: Any, cuda_available: bool) -> None:
-    """Checks that need no model: limits, combinations and what this machine can run."""
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be positive")
+
+
+def check_choices(cfg: PipelineConfig) -> None:
     _one_of("device", cfg.device, DEVICES)
     _one_of("dtype", cfg.dtype, DTYPES)
     _one_of("backend.name", cfg.backend.name, BACKENDS)
@@ -194,16 +231,15 @@ def validate(cfg: Any, cuda_available: bool) -> None:
     if cfg.runtime.name != "demollm":
         raise ConfigError(f"runtime.name={cfg.runtime.name} is not known; use runtime=demollm")
 
+
+def check_machine(cfg: PipelineConfig, cuda_available: bool) -> None:
+    """What this machine can run: CUDA-only backends and attention, installed packages."""
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA device is available here; use device=auto or device=cpu")
     on_cuda = runs_on_cuda(cfg, cuda_available)
     if cfg.backend.name in CUDA_ONLY_BACKENDS and not on_cuda:
         raise ConfigError(
             f"backend={cfg.backend.name} needs a CUDA device, and this run is on CPU; use backend=auto"
-        )
-    if cfg.backend.name in CUDA_ONLY_BACKENDS and cfg.capture.mode == "none":
-        raise ConfigError(
-            f"backend={cfg.backend.name} captures graphs, and capture=none has none; use capture=partial or capture=full"
         )
     if cfg.attention.name in CUDA_ONLY_ATTENTION and not on_cuda:
         raise ConfigError(
@@ -214,6 +250,12 @@ def validate(cfg: Any, cuda_available: bool) -> None:
             "attention=flashinfer but the flashinfer package is not installed; install it or use attention=auto"
         )
 
+
+def check_capture(cfg: PipelineConfig) -> None:
+    if cfg.backend.name in CUDA_ONLY_BACKENDS and cfg.capture.mode == "none":
+        raise ConfigError(
+            f"backend={cfg.backend.name} captures graphs, and capture=none has none; use capture=partial or capture=full"
+        )
     if cfg.backend.fallback not in (None, "eager"):
         raise ConfigError(
             f"backend.fallback={cfg.backend.fallback} is not known; use backend.fallback=eager or null"
@@ -224,41 +266,22 @@ def validate(cfg: Any, cuda_available: bool) -> None:
                 f"backend.cuda_graph_batch_sizes has {size}; each must be in 1..runtime.max_batch_size"
                 f"={cfg.runtime.max_batch_size}"
             )
-    rt, prompt = cfg.runtime, cfg.prompt
-    for key in ("attn_page_size", "max_input_len", "max_seq_len", "max_batch_size", "max_num_tokens"):
-        _positive(f"runtime.{key}", rt[key])
-    for key in ("batch_size", "prompt_len", "output_len"):
-        _positive(f"prompt.{key}", prompt[key])
-    _positive("profile.decode_steps", cfg.profile.decode_steps)
-    for key in ("table_depth", "table_top_k"):
-        if cfg.profile[key] is not None:
-            _positive(f"profile.{key}", cfg.profile[key])
-    _positive("report.top_k", cfg.report.top_k)
-    if cfg.report.depth is not None:
-        _positive("report.depth", cfg.report.depth)
-    if "png" not in cfg.report.formats or not set(cfg.report.formats) <= {"png", "pdf", "svg"}:
+    if cfg.capture.submodules is not None and cfg.capture.mode != "partial":
         raise ConfigError(
-            f"report.formats={list(cfg.report.formats)}: list png and optionally pdf or svg, e.g. [png,pdf]"
+            f"capture.submodules is set but capture={cfg.capture.mode}; use capture=partial or drop capture.submodules"
         )
-    from pipeline.profiler.categories import check as check_categories
 
-    if bad := check_categories(cfg.profile.kernel_categories):
-        raise ConfigError(f"profile.kernel_categories.{bad}: fix the regular expression")
-    if prompt.image_size is not None:
-        _positive("prompt.image_size", prompt.image_size)
-        if prompt.image_size > MAX_IMAGE_SIDE:
-            raise ConfigError(
-                f"prompt.image_size={prompt.image_size} is more than {MAX_IMAGE_SIDE} pixels a side; use a smaller image"
-            )
+
+def check_runtime(rt: RuntimeConfig) -> None:
+    for key in ("attn_page_size", "max_input_len", "max_seq_len", "max_batch_size", "max_num_tokens"):
+        _positive(f"runtime.{key}", getattr(rt, key))
     if rt.max_seq_len > MAX_SEQ_LEN:
         raise ConfigError(f"runtime.max_seq_len={rt.max_seq_len} is more than {MAX_SEQ_LEN} tokens; lower it")
-    for index, path in enumerate(prompt.images or []):
-        if "://" in path:
-            raise ConfigError(
-                f"prompt.images[{index}]={path} is a URL; nothing can be fetched offline: use a local file"
-            )
-        if not Path(path).is_file():
-            raise ConfigError(f"prompt.images[{index}]={path} does not exist")
+    if rt.max_seq_len % rt.attn_page_size:
+        raise ConfigError(
+            f"runtime.max_seq_len={rt.max_seq_len} is not a multiple of runtime.attn_page_size={rt.attn_page_size}; "
+            "make it one"
+        )
     if rt.kv_cache_mb is not None:
         _positive("runtime.kv_cache_mb", rt.kv_cache_mb)
     if not 0 <= rt.lookahead <= MAX_LOOKAHEAD:
@@ -272,18 +295,30 @@ def validate(cfg: Any, cuda_available: bool) -> None:
             f"runtime.sampling: temperature={sampling.temperature} (>= 0), top_k={sampling.top_k} (>= 0), "
             f"top_p={sampling.top_p} (in (0, 1]): fix the one out of range"
         )
-    _positive("benchmark.iterations", cfg.benchmark.iterations)
     if rt.world_size > 1:
         raise ConfigError(
             f"runtime.world_size={rt.world_size}: tensor parallelism is not implemented; use runtime.world_size=0"
         )
     if rt.world_size < 0:
         raise ConfigError(f"runtime.world_size={rt.world_size} must be 0 (single device) or 1")
-    if rt.max_seq_len % rt.attn_page_size:
-        raise ConfigError(
-            f"runtime.max_seq_len={rt.max_seq_len} is not a multiple of runtime.attn_page_size={rt.attn_page_size}; "
-            "make it one"
-        )
+
+
+def check_prompt(prompt: PromptConfig, rt: RuntimeConfig) -> None:
+    for key in ("batch_size", "prompt_len", "output_len"):
+        _positive(f"prompt.{key}", getattr(prompt, key))
+    if prompt.image_size is not None:
+        _positive("prompt.image_size", prompt.image_size)
+        if prompt.image_size > MAX_IMAGE_SIDE:
+            raise ConfigError(
+                f"prompt.image_size={prompt.image_size} is more than {MAX_IMAGE_SIDE} pixels a side; use a smaller image"
+            )
+    for index, path in enumerate(prompt.images or []):
+        if "://" in path:
+            raise ConfigError(
+                f"prompt.images[{index}]={path} is a URL; nothing can be fetched offline: use a local file"
+            )
+        if not Path(path).is_file():
+            raise ConfigError(f"prompt.images[{index}]={path} does not exist")
     if prompt.prompt_len > rt.max_input_len:
         raise ConfigError(
             f"prompt.prompt_len={prompt.prompt_len} exceeds runtime.max_input_len={rt.max_input_len}; "
@@ -306,12 +341,46 @@ def validate(cfg: Any, cuda_available: bool) -> None:
             f"prompt.batch_size * prompt.prompt_len = {prefill_tokens} exceeds runtime.max_num_tokens="
             f"{rt.max_num_tokens}, so prefill would not fit one step; set runtime.max_num_tokens>={prefill_tokens}"
         )
-    if cfg.model.checkpoint is None and not cfg.model.skip_loading_weights:
+
+
+def check_model(model: ModelConfig) -> None:
+    if model.checkpoint is None and not model.skip_loading_weights:
         raise ConfigError(
             "model.skip_loading_weights=false needs weights: set model.checkpoint=/local/hf/folder "
             "or model.skip_loading_weights=true"
         )
-    if cfg.capture.submodules is not None and cfg.capture.mode != "partial":
+
+
+def check_outputs(cfg: PipelineConfig) -> None:
+    """The profile, report and benchmark sections."""
+    _positive("profile.decode_steps", cfg.profile.decode_steps)
+    for key in ("table_depth", "table_top_k"):
+        if getattr(cfg.profile, key) is not None:
+            _positive(f"profile.{key}", getattr(cfg.profile, key))
+    for name, regex in cfg.profile.kernel_categories.items():
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ConfigError(
+                f"profile.kernel_categories.{name}: {exc}; fix the regular expression"
+            ) from None
+    _positive("report.top_k", cfg.report.top_k)
+    if cfg.report.depth is not None:
+        _positive("report.depth", cfg.report.depth)
+    if "png" not in cfg.report.formats or not set(cfg.report.formats) <= {"png", "pdf", "svg"}:
         raise ConfigError(
-            f"capture.submodules is set but capture={cfg.capture.mode}; use capture=partial or drop capture.submodules"
+            f"report.formats={list(cfg.report.formats)}: list png and optionally pdf or svg, e.g. [png,pdf]"
         )
+    _positive("benchmark.iterations", cfg.benchmark.iterations)
+
+
+def validate(cfg: PipelineConfig, cuda_available: bool) -> None:
+    """Checks that need no model, section by section: choices first, then what this machine can
+    run, then each section's limits and the limits between sections."""
+    check_choices(cfg)
+    check_machine(cfg, cuda_available)
+    check_capture(cfg)
+    check_runtime(cfg.runtime)
+    check_prompt(cfg.prompt, cfg.runtime)
+    check_model(cfg.model)
+    check_outputs(cfg)

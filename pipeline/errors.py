@@ -1,4 +1,5 @@
-"""The two ways a job ends badly, told apart by exit code so scripts and sweeps can react."""
+"""How a job ends badly: a config mistake (exit 2) or a failed run (exit 1), told apart by exit
+code so scripts and sweeps can react; and the curated cause a stage raises to become the latter."""
 
 
 class ConfigError(Exception):

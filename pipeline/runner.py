@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
-from pipeline.config import resolve_attention, resolve_backend
+from pipeline.config import PipelineConfig, resolve_attention, resolve_backend
+from pipeline.devices import dtype_name, resolve_device, resolve_dtype
 from pipeline.errors import RunFailed, short_cause
 from pipeline.faults import maybe_pause
 from pipeline.report.run_report import headline, metrics_of
@@ -42,26 +42,14 @@ STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
 ]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def run_name(cfg: DictConfig) -> str:
+def run_name(cfg: PipelineConfig) -> str:
     return f"{cfg.model.name}-{cfg.capture.mode}-{cfg.backend.name}"
 
 
 class Runner:
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: PipelineConfig,
         run_dir: Path,
         hf_config,
         name: str | None = None,
@@ -77,7 +65,7 @@ class Runner:
             device=device,
             dtype=dtype or resolve_dtype(cfg.dtype, device),
             backend=resolve_backend(cfg, device.type == "cuda"),
-            attention=resolve_attention(cfg, device.type == "cuda"),
+            attention=resolve_attention(cfg.attention.name, device.type == "cuda"),
             hf_config=hf_config,
         )
         self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, cfg.tracking.enabled)
@@ -92,7 +80,7 @@ class Runner:
             "backend_resolved": state.backend,
             "attention_resolved": state.attention,
             "device": str(state.device),
-            "dtype": str(state.dtype).removeprefix("torch."),
+            "dtype": dtype_name(state.dtype),
             "git_commit": git_commit(),
             "run_dir": str(state.run_dir.resolve()),
         }

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 
+from pipeline.config import PipelineConfig
 from pipeline.export.graph_capture import CapturedGraph
 from pipeline.models.inputs import ExampleInputs
 from pipeline.transforms.registry import TransformHistory
+
+if TYPE_CHECKING:  # the modules that fill these fields import this one
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from pipeline.correctness import Reference
+    from pipeline.runtime.engine import DemoLLM, Generation
 
 
 @dataclass
@@ -65,23 +71,23 @@ class StageRecord:
 
 @dataclass
 class RunState:
-    cfg: DictConfig
+    cfg: PipelineConfig
     run_dir: Path
     device: torch.device
     dtype: torch.dtype
     backend: str  # resolved from backend=auto: torch-simple | torch-compile | torch-cudagraph | torch-opt
     attention: str  # resolved from attention=auto: torch | flashinfer | triton
-    hf_config: Any = None
+    hf_config: PretrainedConfig | None = None
     model: torch.nn.Module | None = None
     model_info: ModelInfo | None = None
     example_inputs: ExampleInputs | None = None
     check_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> kwargs of a model call
-    reference: Any = None  # correctness.Reference: eager logits (and MoE near-ties) of each check call
+    reference: Reference | None = None  # eager logits (and MoE near-ties) of each check call
     captured: list[CapturedGraph] = field(default_factory=list)
     checks: list[CorrectnessCheck] = field(default_factory=list)
     transform_history: TransformHistory | None = None
-    tokenizer: Any = None  # from a local checkpoint folder, when it has one
-    engine: Any = None  # pipeline.runtime.engine.DemoLLM built by generate, reused by profile
-    generation: Any = None  # pipeline.runtime.engine.Generation of the last generate run
+    tokenizer: PreTrainedTokenizerBase | None = None  # from a local checkpoint folder, when it has one
+    engine: DemoLLM | None = None  # built by generate, reused by profile
+    generation: Generation | None = None  # of the last generate run
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)

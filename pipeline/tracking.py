@@ -36,8 +36,11 @@ def artifact_root(uri: str) -> str | None:
     return None
 
 
-def flatten_params(cfg: DictConfig) -> dict[str, str]:
-    """The resolved config as dotted keys, within MLflow's key and value limits."""
+def flatten_params(cfg: DictConfig | Any) -> dict[str, str]:
+    """The resolved config (a DictConfig or the typed PipelineConfig) as dotted keys, within
+    MLflow's key and value limits."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
     flat: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -224,3 +227,26 @@ class Tracker:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as exc:
             self._offline(f"final status {status}", exc)
+
+
+def run_file(run_id: str, relative: str, uri: str | None, into: Path) -> tuple[str, Path]:
+    """(run name, the path of a run's file `relative` on this machine): in the run's own folder when
+    it is here (its `run_dir` tag), else its artifact downloaded into `into`. LookupError with a
+    one-line reason when there is no such run or file."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = uri or default_uri()
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise LookupError(f"{run_id} is neither a run folder nor a run id in {uri}") from None
+    name = run.info.run_name or run_id
+    local = Path(run.data.tags.get("run_dir", "")) / relative
+    if run.data.tags.get("run_dir") and local.exists():
+        return name, local
+    try:
+        return name, Path(client.download_artifacts(run_id, relative, str(into)))
+    except (MlflowException, OSError) as exc:
+        raise LookupError(f"run {run_id} has no {relative} artifact ({type(exc).__name__})") from None

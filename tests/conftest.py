@@ -22,9 +22,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pipeline import REPO_ROOT
-from pipeline.config import register_schemas
+from pipeline.config import PipelineConfig, register_schemas, typed
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
+from pipeline.transforms.registry import TransformContext
 
 CONF_DIR = str(REPO_ROOT / "conf")
 TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
@@ -35,9 +36,19 @@ SEED_MODELS = ["mistral3", "magistral", "llama3_1_8b", "qwen2_5_vl", "llama4_sco
 register_schemas()
 
 
-def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
+def compose_dict(overrides: list[str] | None = None) -> DictConfig:
+    """The config as Hydra composes it (what `python -m pipeline` receives)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides or [])
+
+
+def compose_cfg(overrides: list[str] | None = None) -> PipelineConfig:
+    """The typed config the packages receive."""
+    return typed(compose_dict(overrides))
+
+
+def transform_context(device: str = "cpu", attention: str = "torch", page_size: int = 64) -> TransformContext:
+    return TransformContext(attention, page_size, torch.device(device))
 
 
 def build_tiny(name: str, seed: int = 0, device: str = "cpu"):
@@ -78,6 +89,7 @@ def run_pipeline(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args, *folder],
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=timeout,

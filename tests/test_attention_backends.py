@@ -121,9 +121,7 @@ def test_triton_backend_generates_the_torch_backends_tokens(name):
     from pipeline.runtime.sampling import SamplingParams
 
     torch_engine, hf_config = _engine(name)
-    triton_engine, _ = _engine(
-        name, overrides=["transforms.insert_cached_attention.backend=triton"], backend="triton"
-    )
+    triton_engine, _ = _engine(name, backend="triton")
     requests = _requests(hf_config, [5, 40], images=True)
     assert (
         triton_engine.generate(requests, 5, SamplingParams(), seed=0).tokens
@@ -160,7 +158,7 @@ def test_auto_picks_a_kernel_on_cuda(monkeypatch):
     a captured torch-backend step attends over every page of the table."""
     import importlib.util
 
-    from pipeline.attention import resolve
+    from pipeline.config import resolve_attention as resolve
 
     assert resolve("auto", on_cuda=False) == "torch" and resolve("torch", on_cuda=True) == "torch"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)

@@ -10,6 +10,7 @@ from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
 from pipeline.backends.compile import compile_module
+from pipeline.graphs import record_of
 from pipeline.models import zoo
 from pipeline.runtime.sampling import SamplingParams
 
@@ -109,7 +110,7 @@ def _install_runner(engine, name: str, use_graphs: bool) -> cudagraph.CUDAGraphR
     runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=use_graphs)
     cache = engine.runner.cache
     engine.runner.cache = type(cache)(
-        engine.runner.graph.cache_specs, runner.scratch_page + 1, cache.page_size, engine.device
+        record_of(engine.runner.graph).cache_specs, runner.scratch_page + 1, cache.page_size, engine.device
     )
     return runner
 

@@ -74,7 +74,7 @@ def test_seed_override_is_deep_merged():
 def test_auto_backend(mode, cuda, expected):
     cfg = compose_cfg([f"capture={mode}"])
     assert resolve_backend(cfg, on_cuda=cuda) == expected
-    assert resolve_attention(cfg, on_cuda=False) == "torch"
+    assert resolve_attention(cfg.attention.name, on_cuda=False) == "torch"
 
 
 BAD_OVERRIDES = {
@@ -123,6 +123,17 @@ CLI_CASES = {
     "unknown model": (["model=gpt5"], "Could not find 'model/gpt5'", "mistral3"),
     "wrong type": (["prompt.batch_size=abc"], "prompt.batch_size", "Integer"),
     "unknown key": (["foo=1"], "foo", "not in"),
+    "added unknown key": (["+foo=1"], "foo is not a config key", "has: model"),
+    "added unknown nested key": (
+        ["+runtime.max_batch=2"],
+        "runtime.max_batch is not a config key",
+        "max_batch_size",
+    ),
+    "unknown submodule": (
+        ["capture.submodules=[model.language_modle]"],
+        "capture.submodules[0]",
+        "model.language_model",
+    ),
     "unknown backend option": (["backend=tensorrt"], "backend/tensorrt", "torch-compile"),
     "cuda backend": (["backend=torch-cudagraph"], "backend=torch-cudagraph", "backend=auto"),
     "token budget": (["prompt.batch_size=8", "prompt.prompt_len=2048"], "16384", "runtime.max_num_tokens"),
@@ -166,5 +177,5 @@ def test_seed_prompt_queries_compose():
     cfg = compose_cfg([f"prompt.queries={queries}"])
     validate(cfg, cuda_available=False)
     assert cfg.prompt.queries[0] == "How big is the universe?"
-    assert cfg.prompt.queries[1].prompt == "Explain gravity: "
-    assert cfg.prompt.queries[2][0].content[1].type == "image"
+    assert cfg.prompt.queries[1]["prompt"] == "Explain gravity: "
+    assert cfg.prompt.queries[2][0]["content"][1]["type"] == "image"

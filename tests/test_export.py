@@ -8,6 +8,7 @@ import torch
 from conftest import TINY_TEXT, TINY_VLMS, build_tiny
 
 from pipeline.export import graph_capture
+from pipeline.graphs import find_language_models
 from pipeline.models import zoo
 
 
@@ -34,7 +35,7 @@ def test_partial_capture_matches_eager(name):
     reference = {k: _logits(model, c) for k, c in calls.items()}
     eager_vision = [n for n, _ in model.named_modules() if "vision" in n or "visual" in n]
 
-    paths = graph_capture.find_language_models(model, zoo.text_config_of(hf_config))
+    paths = find_language_models(model, zoo.text_config_of(hf_config))
     assert len(paths) == 1
     model, captured = _capture(model, hf_config, examples.image, paths)
 
@@ -79,7 +80,7 @@ def test_full_capture_of_mistral3_fails_in_the_vision_tower():
 
 def test_positional_call_and_constant_mismatch():
     model, hf_config, examples = build_tiny("tiny_mistral3")
-    path = graph_capture.find_language_models(model, hf_config.text_config)[0]
+    path = find_language_models(model, hf_config.text_config)[0]
     embeds = model.get_input_embeddings()(examples.text["input_ids"])
     with torch.no_grad():
         expected = model.get_submodule(path)(inputs_embeds=embeds, use_cache=False).last_hidden_state
@@ -104,7 +105,7 @@ def test_graph_keeps_the_parents_interface_without_copying_weights():
     model, hf_config, examples = build_tiny("tiny_llama4_scout")
     embedding = model.get_input_embeddings()
     before = {id(p) for p in model.parameters()}
-    paths = graph_capture.find_language_models(model, hf_config.text_config)
+    paths = find_language_models(model, hf_config.text_config)
     assert paths == ["language_model.model"]  # the decoder stack, not the CausalLM around it
     model, _ = _capture(model, hf_config, examples.image, paths)
     assert model.get_input_embeddings() is embedding

@@ -16,7 +16,7 @@ from conftest import TINY_MODELS
 import pipeline.attention.common  # noqa: F401  (registers attention_plan)
 from pipeline import kernels
 from pipeline.models import zoo
-from pipeline.transforms.ops import (
+from pipeline.ops import (
     add_rms_norm_reference,
     rms_norm_reference,
     rope_reference,
@@ -151,9 +151,7 @@ def test_kernels_keep_tokens(name):
 
     from pipeline.runtime.sampling import SamplingParams
 
-    engine, hf_config = _engine(
-        name, overrides=["transforms.insert_cached_attention.backend=triton"], backend="triton"
-    )
+    engine, hf_config = _engine(name, backend="triton")
     requests = _requests(hf_config, [5, 40], images=zoo.is_vlm(hf_config))
     expected = engine.generate(requests, 5, SamplingParams(), seed=0).tokens
     calls = Counter()

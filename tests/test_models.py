@@ -157,30 +157,28 @@ def test_checkpoint_loads_local_safetensors(tmp_path):
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(monkeypatch):
     from pipeline.errors import ConfigError
-    from pipeline.models import memory
+    from pipeline.models import memory, meta
 
     cfg = compose_cfg(["model=llama4_scout"])
     hf_config = zoo.build_hf_config(cfg.model)
-    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    params = meta.parameter_count(meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config))
     monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10**9)
     with pytest.raises(ConfigError, match=r"7\.3\d B parameters in float32.*use dtype=bfloat16"):
-        memory.check_fits(
-            model_cls, hf_config, cfg.runtime, "llama4_scout", torch.float32, torch.device("cpu")
-        )
-    memory.check_fits(model_cls, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device("cpu"))
+        memory.check_fits(params, hf_config, cfg.runtime, "llama4_scout", torch.float32, torch.device("cpu"))
+    memory.check_fits(params, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device("cpu"))
 
 
 def test_dtype_auto_picks_bfloat16_on_cpu_only_when_float32_does_not_fit(monkeypatch):
-    from pipeline.models import memory
+    from pipeline.models import memory, meta
 
     cfg = compose_cfg(["model=llama4_scout"])
     hf_config = zoo.build_hf_config(cfg.model)
-    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
+    params = meta.parameter_count(meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config))
     cpu = torch.device("cpu")
     monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10**9)
-    dtype, note = memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu)
+    dtype, note = memory.auto_dtype(params, hf_config, cfg.runtime, cpu)
     assert dtype == torch.bfloat16 and "float32 would need about" in note
     monkeypatch.setattr(memory, "free_bytes", lambda device: 100 * 10**9)
-    assert memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu) == (torch.float32, None)
+    assert memory.auto_dtype(params, hf_config, cfg.runtime, cpu) == (torch.float32, None)
     monkeypatch.setattr(memory, "free_bytes", lambda device: 5 * 10**9)  # neither fits: check_fits says so
-    assert memory.auto_dtype(model_cls, hf_config, cfg.runtime, cpu) == (torch.float32, None)
+    assert memory.auto_dtype(params, hf_config, cfg.runtime, cpu) == (torch.float32, None)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama4.modeling_llama4 import apply_rotary_emb as llama4_rope
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm, apply_rotary_pos_emb, repeat_kv
 
-import pipeline.transforms.ops  # noqa: F401
+import pipeline.ops  # noqa: F401
 
 ops = torch.ops.pipeline
 

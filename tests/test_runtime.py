@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg
+from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg, transform_context
 
+from pipeline.attention.kv_cache import CacheFull, CacheSpec, PagedKVCache
 from pipeline.attention.torch_backend import allowed
 from pipeline.export import graph_capture
+from pipeline.graphs import find_language_models, record_of
 from pipeline.models import zoo
 from pipeline.models.images import synthetic_image
+from pipeline.models.zoo import eos_ids
 from pipeline.runtime.engine import DemoLLM, EagerRunner, PagedRunner
-from pipeline.runtime.kv_cache import CacheFull, CacheSpec, PagedKVCache
 from pipeline.runtime.requests import Request, image_part
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.stages.generate import eos_ids
 from pipeline.transforms import registry
 
 PAGE = 8  # smaller than the prompts, so sequences span several pages
@@ -40,17 +41,11 @@ def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "t
     model, hf_config, examples = build_tiny(name, device=device)
     cfg = compose_cfg([f"model={name}", f"runtime.attn_page_size={PAGE}", *overrides])
     if capture != "none":
-        paths = (
-            graph_capture.find_language_models(model, zoo.text_config_of(hf_config))
-            if examples.image
-            else [""]
-        )
+        paths = find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
         model, _ = graph_capture.capture(model, paths, examples.image or examples.text)
         transforms = registry.parse(cfg.transforms)
-        for t in transforms:
-            if hasattr(t.config, "backend"):
-                t.config.backend, t.config.page_size = backend, PAGE
-        registry.run_transforms(model, transforms, registry.TransformHistory())
+        ctx = transform_context(device, attention=backend, page_size=PAGE)
+        registry.run_transforms(model, transforms, ctx, registry.TransformHistory())
     return DemoLLM(model, hf_config, cfg.runtime, torch.device(device), eos_ids(hf_config)), hf_config
 
 
@@ -182,7 +177,9 @@ def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture, device):
 
 def test_out_of_pages_is_a_clear_error():
     engine, hf_config = _engine("tiny_magistral", overrides=["runtime.kv_cache_mb=1"])
-    engine.runner.cache = PagedKVCache(engine.runner.graph.cache_specs, 4, PAGE, torch.device("cpu"))
+    engine.runner.cache = PagedKVCache(
+        record_of(engine.runner.graph).cache_specs, 4, PAGE, torch.device("cpu")
+    )
     with pytest.raises(CacheFull, match="out of pages"):
         engine.generate(_requests(hf_config, [20, 20], images=False), 4, SamplingParams(), seed=0)
 
@@ -221,7 +218,9 @@ def test_local_image_files_go_through_the_preprocessing(tmp_path):
 
     validate(cfg, cuda_available=False)
     hf_config = zoo.build_hf_config(cfg.model)
-    requests = build_requests(cfg, hf_config, torch.float32, torch.device("cpu"))
+    requests = build_requests(
+        cfg.prompt, cfg.runtime, cfg.seed, hf_config, torch.float32, torch.device("cpu")
+    )
     # 150 x 100 within the tower's 112 longest edge -> 112 x 84 (multiples of 28): 4 x 3 image tokens
     assert requests[0].images["image_sizes"].tolist() == [[84, 112]]
     assert requests[0].prompt.count(hf_config.image_token_index) == 12 and len(requests[0].prompt) == 40

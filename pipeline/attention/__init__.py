@@ -1,24 +1,11 @@
-"""Cached attention backends behind one interface: each registers a `torch.library` op with the
-signature of `pipeline::cached_attention` (see torch_backend.py) that insert_cached_attention puts
-into the graph."""
+"""Cached attention: the op contract every backend shares (common.py), the paged KV cache it reads
+and writes (kv_cache.py), and the backends, each a `torch.library` op with the signature of
+`pipeline::cached_attention` that insert_cached_attention puts into the graph. Which backend
+`attention=auto` means is decided in config.resolve_attention."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
-
-
-def resolve(name: str, on_cuda: bool) -> str:
-    """`auto`: on CUDA flashinfer where installed, else triton; torch on CPU. Not torch on CUDA: a
-    captured decode step needs static shapes, so there the torch backend gathers and attends over
-    every page of the table (runtime.max_seq_len keys) each step, where the kernels read only the
-    sequence's own pages."""
-    if name != "auto":
-        return name
-    if not on_cuda:
-        return "torch"
-    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
 def cached_attention_op(backend: str):

@@ -12,6 +12,8 @@ from torch import nn
 
 from pipeline.backends import cudagraph
 from pipeline.backends.compile import compile_module
+from pipeline.config import RuntimeConfig
+from pipeline.graphs import record_of
 
 
 class NoCachedGraph(ValueError):
@@ -21,7 +23,7 @@ class NoCachedGraph(ValueError):
 def apply(
     backend: str,
     targets: list[tuple[str, nn.Module]],
-    cfg_runtime,
+    runtime: RuntimeConfig,
     buckets: list[int] | None,
     on_cuda: bool,
 ) -> dict[str, cudagraph.CUDAGraphRunner]:
@@ -32,15 +34,22 @@ def apply(
         for _, target in targets:
             compile_module(target)
     if backend in ("torch-cudagraph", "torch-opt"):
-        cached = [(name, g) for name, g in targets if hasattr(g, "cache_specs")]
+        cached = [(name, g) for name, g in targets if _has_cache(g)]
         if not cached:
             raise NoCachedGraph(
                 f"backend={backend} captures decode steps of a cached graph, and there is none: "
                 "enable transforms.insert_cached_attention"
             )
         for name, graph in cached:
-            runners[name] = cudagraph.install(graph, cfg_runtime, buckets, use_graphs=on_cuda)
+            runners[name] = cudagraph.install(graph, runtime, buckets, use_graphs=on_cuda)
     return runners
+
+
+def _has_cache(target: nn.Module) -> bool:
+    try:
+        return record_of(target).has_cache
+    except KeyError:  # the eager model (capture=none)
+        return False
 
 
 def remove(targets: list[tuple[str, nn.Module]]) -> None:

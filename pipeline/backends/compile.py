@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch._inductor.decomposition import register_decomposition
 
-from pipeline.transforms.ops import (
+from pipeline.ops import (
     add_rms_norm_reference,
     rms_norm_reference,
     rope_reference,

@@ -21,6 +21,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pipeline.attention.kv_cache import pages_for
+from pipeline.config import RuntimeConfig
+from pipeline.graphs import record_of
+
 
 def default_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, ... up to and including max_batch_size."""
@@ -188,17 +192,18 @@ class CUDAGraphRunner(nn.Module):
         return sum(step.bytes() for step in self.steps.values())
 
 
-def install(graph: nn.Module, cfg_runtime, buckets: list[int] | None, use_graphs: bool) -> CUDAGraphRunner:
+def install(
+    graph: nn.Module, runtime: RuntimeConfig, buckets: list[int] | None, use_graphs: bool
+) -> CUDAGraphRunner:
     """Put a runner behind a cached graph module's kwargs adapter, as its submodule (profilers see
     it). The scratch page and page-table width follow the runtime config the engine's cache uses."""
-    from pipeline.runtime.kv_cache import pages_for
-
+    specs = record_of(graph).cache_specs
     runner = CUDAGraphRunner(
         graph.forward,
-        sorted(buckets or default_buckets(cfg_runtime.max_batch_size)),
-        scratch_page=pages_for(cfg_runtime, graph.cache_specs) - 1,
-        table_width=-(-cfg_runtime.max_seq_len // cfg_runtime.attn_page_size),
-        caches=frozenset(spec.input_name for spec in graph.cache_specs),
+        sorted(buckets or default_buckets(runtime.max_batch_size)),
+        scratch_page=pages_for(runtime, specs) - 1,
+        table_width=-(-runtime.max_seq_len // runtime.attn_page_size),
+        caches=frozenset(spec.input_name for spec in specs),
         use_graphs=use_graphs,
     )
     graph.add_module("cuda_graph_runner", runner)

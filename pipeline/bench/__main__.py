@@ -13,6 +13,7 @@ import gc
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,10 +22,8 @@ import torch
 from pipeline import REPO_ROOT
 from pipeline.bench import decode, engine_work, pipeline_run, prefill
 from pipeline.bench.limits import read_bandwidth_gbs
-from pipeline.bench.setup import compose
+from pipeline.bench.prepare import advance, new_state, prepared
 from pipeline.export import graph_capture
-from pipeline.models import build, zoo
-from pipeline.models.inputs import make_example_inputs
 
 LOAD_TARGET_S = 15.0
 
@@ -50,21 +49,20 @@ def machine() -> dict[str, str]:
     }
 
 
-def _model_setup(name: str):
-    cfg = compose([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
-    return cfg, hf_config, zoo.resolve_model_class(cfg.model, hf_config)
-
-
 def bench_load(name: str, repeats: int, reference: bool) -> dict:
-    _, hf_config, model_cls = _model_setup(name)
+    """The load stage as the pipeline runs it (random init on the meta-built model), against
+    Hugging Face's own init of the same class."""
+    cpu = torch.device("cpu")
     ours = []
     for i in range(repeats):
-        start = time.perf_counter()
-        model, report = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed=i)
-        ours.append(time.perf_counter() - start)
-        params = report.params
-        del model
+        with tempfile.TemporaryDirectory() as tmp:
+            state = new_state([f"model={name}", f"seed={i}"], torch.float32, cpu, Path(tmp))
+            start = time.perf_counter()
+            advance(state, "load")
+            ours.append(time.perf_counter() - start)
+            params, hf_config = state.model_info.params, state.hf_config
+            model_cls = type(state.model)
+            state.model = None
         gc.collect()
     row = {"params": params, "ours_s": statistics.median(ours), "ours_all_s": ours, "target_s": LOAD_TARGET_S}
     if reference:
@@ -78,28 +76,25 @@ def bench_load(name: str, repeats: int, reference: bool) -> dict:
 
 
 def bench_export(name: str, repeats: int) -> dict:
-    _, hf_config, model_cls = _model_setup(name)
-    model, _ = build.build_random(model_cls, hf_config, torch.float32, torch.device("cpu"), seed=0)
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
-    call = examples.image or examples.text
-    paths = (
-        graph_capture.find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
-    )
-    recorded = (
-        graph_capture.record_calls(model, paths, call)
-        if examples.image
-        else {"": graph_capture.RecordedCall(dict(call))}
-    )
-    module = model.get_submodule(paths[0]) if paths[0] else model
-    batch, seq = call["input_ids"].shape
-    # Export only, repeated on the same eager module (nothing is swapped in).
-    times = [
-        graph_capture.export_module(module, paths[0], recorded[paths[0]], batch, seq).export_s
-        for _ in range(repeats)
-    ]
-    del model
+    """torch.export of the language model (text models: the whole model) from the call the export
+    stage uses, repeated on the same eager module (nothing is swapped in)."""
+    with prepared([f"model={name}"], torch.float32, torch.device("cpu")) as state:
+        examples, info = state.example_inputs, state.model_info
+        call = examples.image or examples.text
+        path = info.language_model_paths[0] if info.is_vlm else ""
+        recorded = (
+            graph_capture.record_calls(state.model, [path], call)[path]
+            if path
+            else graph_capture.RecordedCall(dict(call))
+        )
+        module = state.model.get_submodule(path) if path else state.model
+        batch, seq = call["input_ids"].shape
+        times = [
+            graph_capture.export_module(module, path, recorded, batch, seq).export_s for _ in range(repeats)
+        ]
+        state.model = None
     gc.collect()
-    return {"submodule": paths[0] or "root", "export_s": statistics.median(times), "export_all_s": times}
+    return {"submodule": path or "root", "export_s": statistics.median(times), "export_all_s": times}
 
 
 CPU_BACKENDS = ["torch-simple", "torch-compile"]

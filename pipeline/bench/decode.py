@@ -9,6 +9,7 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import statistics
 import time
@@ -16,21 +17,15 @@ import time
 import torch
 
 from pipeline.bench.limits import gemv_read_gbs
-from pipeline.bench.setup import compose
-from pipeline.export import graph_capture
+from pipeline.bench.prepare import advance, engine_of, prepared
+from pipeline.devices import dtype_name, sync
+from pipeline.graphs import find_graphs
 from pipeline.library import references_on_cuda
-from pipeline.models import build, zoo
-from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
-from pipeline.models.memory import decode_weight_bytes
+from pipeline.models import zoo
+from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.transforms import registry
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _hf_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
@@ -51,32 +46,22 @@ def bench_decode(
     dtype: torch.dtype = torch.float32,
 ) -> dict:
     """bandwidth: the read bandwidth measured at the start of the run, before any model was loaded."""
-    cfg = compose([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
-    model_cls = zoo.resolve_model_class(cfg.model, hf_config)
-    model, _ = build.build_random(model_cls, hf_config, dtype, torch.device("cpu"), seed=0)
-    text_config = zoo.text_config_of(hf_config)
-    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
-    weight_bytes = decode_weight_bytes(model, lm_paths[0])
-    generator = torch.Generator().manual_seed(0)
-    prompts = {
-        b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
-        for b in batches
-    }
-
-    hf = {b: _hf_times(model, prompts[b], steps, repeats)[0] for b in batches}
-    gemv = gemv_read_gbs(model.get_output_embeddings().weight.detach())  # the largest weight: lm_head
-
-    # HF's rows ran first: the transforms rewrite the eager lm_head of this same model.
-    examples = make_example_inputs(hf_config, 2, None, dtype, torch.device("cpu"), seed=0)
-    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
-    transforms = registry.parse(cfg.transforms)
-    registry.run_transforms(model, transforms, registry.TransformHistory())
-    engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())  # no early stop
-    ours = {}
-    for b in batches:
-        ours[b], _ = _demollm_step_s(engine, prompts[b], steps, repeats)
-    del model, engine
+    with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
+        model, hf_config = state.model, state.hf_config
+        text_config = zoo.text_config_of(hf_config)
+        weight_bytes = state.model_info.decode_bytes
+        generator = torch.Generator().manual_seed(0)
+        prompts = {
+            b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
+            for b in batches
+        }
+        hf = {b: _hf_times(model, prompts[b], steps, repeats)[0] for b in batches}
+        gemv = gemv_read_gbs(model.get_output_embeddings().weight.detach())  # the largest weight: lm_head
+        # HF's rows ran first: the transforms rewrite the eager lm_head of this same model.
+        engine = engine_of(advance(state, "export", "transforms"))
+        ours = {b: _demollm_step_s(engine, prompts[b], steps, repeats)[0] for b in batches}
+        del model, engine
+        state.model = None
     gc.collect()
     rows = []
     for b in batches:
@@ -92,7 +77,7 @@ def bench_decode(
         )
     return {
         "model": name,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "prompt_len": prompt_len,
         "steps": steps,
         "weight_bytes": weight_bytes,
@@ -147,11 +132,11 @@ def _hf_sample(model, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
 
     class StepClock(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            _sync(prompts.device)
+            sync(prompts.device)
             stamps.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    _sync(prompts.device)
+    sync(prompts.device)
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(
@@ -183,63 +168,83 @@ def bench_backends(
     take turns, one sample each per round, so that a slow phase of a noisy machine lands on all of
     them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
     is a row with its error, not a lost table."""
-    import copy
+    with prepared([f"model={name}"], dtype, device) as state:
+        # HF's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the HF
+        # rows must run Hugging Face's model as it is.
+        hf_model = copy.deepcopy(state.model)
+        engine = engine_of(advance(state, "export", "transforms"))
+        text_config = zoo.text_config_of(state.hf_config)
+        generator = torch.Generator().manual_seed(0)
+        prompts = random_ids(
+            (batch, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator
+        )
+        prompts = prompts.to(device)
+        demollm = _DemollmSampler(engine, find_graphs(state.model), state.cfg.runtime, prompts, steps)
+        hf_compiled = _HFCompiled(hf_model, device)
+        lookahead = state.cfg.runtime.lookahead
+        runners = {
+            "HF eager generate": lambda: _hf_sample(hf_model, prompts, steps),
+            "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
+            **{f"demollm {b}": (lambda b=b: demollm.sample(b, lookahead)) for b in backends},
+            # The same backend with every step's tokens read before the next is launched: what the
+            # host running ahead is worth.
+            **{f"demollm {b}, lookahead 0": (lambda b=b: demollm.sample(b, 0)) for b in stepped},
+            # The same backend with the aten chains the Triton kernels replace: what the kernels are worth.
+            **{
+                f"demollm {b}, aten ops": (lambda b=b: demollm.sample(b, lookahead, kernels=False))
+                for b in without_kernels
+            },
+        }
+        rows = take_turns(runners, repeats)
+        state.model = None
+    eager = rows[0].get("decode_ms")
+    for row in rows:
+        if eager and "decode_ms" in row:
+            row["vs_hf_eager"] = row["decode_ms"] / eager
+    return {
+        "model": name,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "repeats": repeats,
+        "device": str(device),
+        "dtype": dtype_name(dtype),
+        "rows": rows,
+    }
 
-    from pipeline import backends as capture_backends
-    from pipeline.errors import short_cause
-    from pipeline.transforms.registry import find_graphs
 
-    cfg = compose([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
-    model, _ = build.build_random(
-        zoo.resolve_model_class(cfg.model, hf_config), hf_config, dtype, device, seed=0
-    )
-    text_config = zoo.text_config_of(hf_config)
-    generator = torch.Generator().manual_seed(0)
-    prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
-    prompts = prompts.to(device)
+class _DemollmSampler:
+    """One demollm sample with a backend put on the graphs for its duration."""
 
-    # demollm's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the
-    # HF rows must run Hugging Face's model as it is.
-    ours = copy.deepcopy(model)
-    lm_paths = graph_capture.find_language_models(ours, text_config) if zoo.is_vlm(hf_config) else [""]
-    examples = make_example_inputs(hf_config, 2, None, dtype, device, seed=0)
-    ours, _ = graph_capture.capture(ours, lm_paths, examples.image or examples.text)
-    registry.run_transforms(ours, registry.parse(cfg.transforms), registry.TransformHistory())
-    engine = DemoLLM(ours, hf_config, cfg.runtime, device, eos_ids=set())  # no early stop
-    targets = find_graphs(ours)
-    requests = [Request(i, prompts[i].tolist()) for i in range(batch)]
+    def __init__(self, engine: DemoLLM, targets, runtime, prompts: torch.Tensor, steps: int):
+        self.engine, self.targets, self.runtime, self.steps = engine, targets, runtime, steps
+        self.requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
+        self.on_cuda = prompts.device.type == "cuda"
 
-    def demollm_sample(backend: str, lookahead: int, kernels: bool = True) -> tuple[float, float]:
+    def sample(self, backend: str, lookahead: int, kernels: bool = True) -> tuple[float, float]:
+        from pipeline import backends
+
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
-        capture_backends.apply(backend, targets, cfg.runtime, None, on_cuda=device.type == "cuda")
-        engine.lookahead = lookahead
+        backends.apply(backend, self.targets, self.runtime, None, on_cuda=self.on_cuda)
+        self.engine.lookahead = lookahead
         try:
             # CUDA graphs are captured in the first generate, with the kernels active then
             with contextlib.nullcontext() if kernels else references_on_cuda():
-                engine.generate(requests, 3, SamplingParams(), seed=0)  # caches warm
-                run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+                self.engine.generate(self.requests, 3, SamplingParams(), seed=0)  # caches warm
+                run = self.engine.generate(self.requests, self.steps + 1, SamplingParams(), seed=0)
             return statistics.median(run.decode_step_s), run.prefill_s
         finally:
-            capture_backends.remove(targets)
+            backends.remove(self.targets)
 
-    hf_compiled = _HFCompiled(model, device)
-    runners = {
-        "HF eager generate": lambda: _hf_sample(model, prompts, steps),
-        "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
-        **{f"demollm {b}": (lambda b=b: demollm_sample(b, cfg.runtime.lookahead)) for b in backends},
-        # The same backend with every step's tokens read before the next is launched: what the
-        # host running ahead is worth.
-        **{f"demollm {b}, lookahead 0": (lambda b=b: demollm_sample(b, 0)) for b in stepped},
-        # The same backend with the aten chains the Triton kernels replace: what the kernels are worth.
-        **{
-            f"demollm {b}, aten ops": (lambda b=b: demollm_sample(b, cfg.runtime.lookahead, kernels=False))
-            for b in without_kernels
-        },
-    }
+
+def take_turns(runners: dict, repeats: int) -> list[dict]:
+    """Each runner -> (decode s, prefill s): one sample each per round, round 0 a warm-up (and
+    compile) whose samples are dropped; a row per runner with the medians, or its error."""
+    from pipeline.errors import short_cause
+
     samples: dict[str, list[tuple[float, float]]] = {runner: [] for runner in runners}
     errors: dict[str, str] = {}
-    for round_ in range(repeats + 1):  # round 0 warms up (and compiles); its samples are dropped
+    for round_ in range(repeats + 1):
         for runner, sample in runners.items():
             if runner in errors:
                 continue
@@ -262,20 +267,7 @@ def bench_backends(
                 "prefill_ms": 1000 * statistics.median(p for _, p in samples[runner]),
             }
         )
-    eager = rows[0].get("decode_ms")
-    for row in rows:
-        if eager and "decode_ms" in row:
-            row["vs_hf_eager"] = row["decode_ms"] / eager
-    return {
-        "model": name,
-        "batch": batch,
-        "prompt_len": prompt_len,
-        "steps": steps,
-        "repeats": repeats,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "rows": rows,
-    }
+    return rows
 
 
 def backends_markdown(result: dict, target: str) -> list[str]:

@@ -23,15 +23,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.backends import apply, remove
-from pipeline.bench.setup import compose
-from pipeline.export import graph_capture
-from pipeline.models import build, zoo
-from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
+from pipeline.bench.prepare import engine_of, prepared
+from pipeline.graphs import find_graphs
+from pipeline.models import zoo
+from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.transforms import registry
-from pipeline.transforms.registry import find_graphs
 
 HOST_DATA = "aten.lift_fresh.default"  # a tensor built from Python values: a host-to-device copy on a GPU
 DEVICE_READ = "aten._local_scalar_dense.default"  # a device value read on the host: a sync on a GPU
@@ -87,22 +85,19 @@ def bench_engine_work(
     name: str, batches: list[int], backends: list[str], steps: int = 8, repeats: int = 5
 ) -> dict:
     """Per backend and batch: ops per decode step outside the captured graph, and the host's time."""
-    cfg = compose([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
-    model, _ = build.build_random(
-        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), seed=0
-    )
+    stages = ("load", "export", "transforms")
+    with prepared([f"model={name}"], torch.float32, torch.device("cpu"), stages) as state:
+        rows = _rows(engine_of(state), find_graphs(state.model), state.cfg.runtime, state.hf_config,
+                     batches, backends, steps, repeats)  # fmt: skip
+    return {"model": name, "steps": steps, "repeats": repeats, "rows": rows}
+
+
+def _rows(engine: DemoLLM, targets, runtime, hf_config, batches, backends, steps, repeats) -> list[dict]:
     text_config = zoo.text_config_of(hf_config)
-    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), seed=0)
-    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
-    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
-    engine = DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), eos_ids=set())
-    targets = find_graphs(model)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for backend in backends:
-        runners = apply(backend, targets, cfg.runtime, None, on_cuda=False)
+        runners = apply(backend, targets, runtime, None, on_cuda=False)
         graph = targets[0][1]
         if runners:  # the runner's copies are outside work, its (replayed) graph is not
             runner = next(iter(runners.values()))
@@ -133,7 +128,7 @@ def bench_engine_work(
             else:
                 graph.forward = inner
             remove(targets)
-    return {"model": name, "steps": steps, "repeats": repeats, "rows": rows}
+    return rows
 
 
 def _per_step(short: Counter, long: Counter, steps: int) -> dict:

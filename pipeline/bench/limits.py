@@ -7,10 +7,7 @@ import time
 
 import torch
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from pipeline.devices import sync
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device | None = None) -> float:
@@ -22,10 +19,10 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device 
     x.sum()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         x.sum()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return x.numel() * 4 / min(times) / 1e9
 
@@ -45,10 +42,10 @@ def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
         kernel()
         times = []
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             kernel()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         best = max(best, 2 * m * k * n / statistics.median(times) / 1e12)
     return best
@@ -73,9 +70,9 @@ def gemv_read_gbs(weight: torch.Tensor, repeats: int = 5) -> float:
         kernel()
         times = []
         for _ in range(repeats):
-            _sync(weight.device)
+            sync(weight.device)
             start = time.perf_counter()
             kernel()
-            _sync(weight.device)
+            sync(weight.device)
             times.append(time.perf_counter() - start)
     return weight.numel() * weight.element_size() / min(times) / 1e9

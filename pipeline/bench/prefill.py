@@ -8,14 +8,11 @@ import statistics
 import torch
 
 from pipeline.bench.limits import gemm_tflops
-from pipeline.bench.setup import compose
-from pipeline.export import graph_capture
-from pipeline.models import build, zoo
-from pipeline.models.inputs import make_example_inputs, random_ids, special_ids
-from pipeline.runtime.engine import DemoLLM
+from pipeline.bench.prepare import engine_of, prepared
+from pipeline.models import zoo
+from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.transforms import registry
 
 
 def prefill_flops(text_config, tokens: int) -> float:
@@ -32,18 +29,17 @@ def prefill_flops(text_config, tokens: int) -> float:
 
 
 def bench_prefill(name: str, token_counts: list[int], repeats: int) -> dict:
-    cfg = compose([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
     cpu = torch.device("cpu")
-    model, _ = build.build_random(
-        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, cpu, seed=0
-    )
+    with prepared([f"model={name}"], torch.float32, cpu, ("load", "export", "transforms")) as state:
+        rows = _rows(state, token_counts, repeats)
+        state.model = None
+    return {"model": name, "rows": rows}
+
+
+def _rows(state, token_counts: list[int], repeats: int) -> list[dict]:
+    hf_config, cpu = state.hf_config, state.device
     text_config = zoo.text_config_of(hf_config)
-    lm_paths = graph_capture.find_language_models(model, text_config) if zoo.is_vlm(hf_config) else [""]
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, cpu, seed=0)
-    model, _ = graph_capture.capture(model, lm_paths, examples.image or examples.text)
-    registry.run_transforms(model, registry.parse(cfg.transforms), registry.TransformHistory())
-    engine = DemoLLM(model, hf_config, cfg.runtime, cpu, eos_ids=set())
+    engine = engine_of(state)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
@@ -68,7 +64,7 @@ def bench_prefill(name: str, token_counts: list[int], repeats: int) -> dict:
                 "pct_of_gemm": 100 * achieved / limit,
             }  # fmt: skip
         )
-    return {"model": name, "rows": rows}
+    return rows
 
 
 def markdown(result: dict) -> list[str]:

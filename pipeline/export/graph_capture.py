@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from pipeline.graphs import GraphRecord, first_tensor, record_of, set_record
+
 _PRIMITIVES = (bool, int, float, str)
 
 
@@ -64,6 +66,9 @@ class RecordedCall:
 
 @dataclass
 class CapturedGraph:
+    """What one export did, for the export stage's files and the report. What travels with the graph
+    to later stages is its GraphRecord (pipeline.graphs)."""
+
     path: str  # dotted path in the parent model; "" when the whole model was captured
     graph_module: torch.fx.GraphModule
     tensor_inputs: list[str]
@@ -92,17 +97,6 @@ class CapturedGraph:
         return len(self.graph_module.graph.nodes)
 
 
-def find_language_models(model: nn.Module, text_config) -> list[str]:
-    """The decoder stack of a VLM: the outermost module whose config is the text config and that
-    holds the decoder `layers` (Llama-4's `language_model` is the CausalLM around it)."""
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if getattr(module, "config", None) is text_config and hasattr(module, "layers"):
-            if not any(path.startswith(outer + ".") for outer in found):
-                found.append(path)
-    return found
-
-
 def _bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Positional args by name, so the graph can be kwargs-only whatever the caller does."""
     if not args:
@@ -113,11 +107,6 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, A
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             named.update(named.pop(param.name, {}))
     return named
-
-
-def first_tensor(call: dict[str, Any]) -> torch.Tensor:
-    """input_ids [B, S] or inputs_embeds [B, S, H]: the call's batch and sequence."""
-    return next(call[k] for k in ("input_ids", "inputs_embeds") if isinstance(call.get(k), torch.Tensor))
 
 
 def default_position_ids(config, tokens: torch.Tensor) -> torch.Tensor:
@@ -242,7 +231,11 @@ def export_module(
         export_s=export_s,
     )
     _check_dynamic(program, captured)
-    _install_kwargs_adapter(graph_module, module, captured)
+    set_record(
+        graph_module,
+        GraphRecord(path, getattr(module, "config", None), list(tensors), dict(constants)),
+    )
+    _install_kwargs_adapter(graph_module, module)
     _keep_parent_interface(graph_module, module)
     return captured
 
@@ -262,12 +255,15 @@ def _check_dynamic(program, captured: CapturedGraph) -> None:
                 )
 
 
-def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module, captured: CapturedGraph) -> None:
-    """Map the parent's call onto the graph's exact kwargs before export's own input check runs."""
+def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> None:
+    """Map the parent's call onto the graph's exact kwargs before export's own input check runs;
+    the contract is the graph's record (its inputs, its constants, and the provider of the inputs
+    the graph gained after export)."""
     signature_owner = original
-    inputs = set(captured.tensor_inputs)
 
     def adapt(module, args, kwargs):
+        record = record_of(module)
+        inputs = set(record.tensor_inputs)
         call = _bind(signature_owner, args, kwargs)
         adapted: dict[str, Any] = {}
         for name, value in call.items():
@@ -275,23 +271,22 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module, captur
                 adapted[name] = default_position_ids(signature_owner.config, first_tensor(call))
             elif name in inputs:
                 adapted[name] = value
-            elif name in captured.constants:
-                if value != captured.constants[name]:
+            elif name in record.constants:
+                if value != record.constants[name]:
                     raise ExportError(
-                        f"graph '{captured.name}' was exported with {name}={captured.constants[name]!r} "
+                        f"graph '{record.name}' was exported with {name}={record.constants[name]!r} "
                         f"and called with {name}={value!r}; capture the model with that call instead"
                     )
             elif value is not None:
                 raise ExportError(
-                    f"graph '{captured.name}' was exported without '{name}' and was called with it "
+                    f"graph '{record.name}' was exported without '{name}' and was called with it "
                     f"({type(value).__name__}); its inputs are {sorted(inputs)}"
                 )
         if "position_ids" in inputs and "position_ids" not in adapted:
             adapted["position_ids"] = default_position_ids(signature_owner.config, first_tensor(call))
         # Inputs the graph gained after export (insert_cached_attention's cache and metadata).
-        runtime_inputs = getattr(module, "runtime_inputs", None)
-        if runtime_inputs is not None:
-            adapted.update(runtime_inputs(adapted))
+        if record.runtime_inputs is not None:
+            adapted.update(record.runtime_inputs(adapted))
         return (), adapted
 
     graph_module.register_forward_pre_hook(adapt, with_kwargs=True, prepend=True)
@@ -301,7 +296,8 @@ def _keep_parent_interface(graph_module: nn.Module, original: nn.Module) -> None
     """What the eager parent still asks of its child: the input embeddings (a VLM embeds the text
     tokens itself before calling the language model, by method or by attribute, as Llama-4's
     `self.model.embed_tokens`) and the config. The real embedding module goes back at its own path;
-    its weight is the same Parameter the graph holds, so nothing is copied."""
+    its weight is the same Parameter the graph holds, so nothing is copied. These two attributes are
+    for Hugging Face's code; the pipeline reads the graph's record."""
     embeddings = original.get_input_embeddings() if hasattr(original, "get_input_embeddings") else None
     if isinstance(embeddings, nn.Module):
         path = next((name for name, mod in original.named_modules() if mod is embeddings), None)

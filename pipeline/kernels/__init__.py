@@ -1,4 +1,4 @@
-"""Triton kernels behind canonical ops on CUDA (registered by transforms/ops.py and
+"""Triton kernels behind canonical ops on CUDA (registered by ops.py and
 attention/common.py through `library.op(..., cuda=...)`).
 
 Each replaces a chain of small aten kernels with one launch: the reference rms_norm is eight

@@ -1,4 +1,4 @@
-"""Will the model fit? Parameters counted on the meta device (no memory), bytes at the run's dtype,
+"""Will the model fit? Parameters counted on the meta device (meta.py), bytes at the run's dtype,
 plus the default KV cache, against what the device has free: refused before loading, with the
 estimate and what would fit."""
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config import RuntimeConfig
 from pipeline.errors import ConfigError
 
 HEADROOM = 1.1  # activations, the transient copy when GEMMs are fused, allocator slack
@@ -41,34 +42,27 @@ def free_bytes(device: torch.device) -> int:
     raise OSError("no MemAvailable in /proc/meminfo")
 
 
-def count_parameters(model_cls: type, hf_config) -> int:
-    # Everything on meta, buffers too: only shapes are needed, so nothing is allocated.
-    with torch.device("meta"):
-        model = model_cls._from_config(hf_config)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def kv_cache_bytes(hf_config, cfg_runtime, dtype: torch.dtype) -> int:
+def kv_cache_bytes(hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> int:
     text = getattr(hf_config, "text_config", None) or hf_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if cfg_runtime.get("kv_cache_mb"):
-        return int(cfg_runtime.kv_cache_mb * 2**20)
-    tokens = cfg_runtime.max_batch_size * cfg_runtime.max_seq_len
+    if runtime.kv_cache_mb:
+        return int(runtime.kv_cache_mb * 2**20)
+    tokens = runtime.max_batch_size * runtime.max_seq_len
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
 
 
-def _needed(params: int, hf_config, cfg_runtime, dtype: torch.dtype) -> float:
-    return (params * dtype.itemsize + kv_cache_bytes(hf_config, cfg_runtime, dtype)) * HEADROOM
+def _needed(params: int, hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> float:
+    return (params * dtype.itemsize + kv_cache_bytes(hf_config, runtime, dtype)) * HEADROOM
 
 
-def auto_dtype(model_cls: type, hf_config, cfg_runtime, device) -> tuple[torch.dtype, str | None]:
+def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[torch.dtype, str | None]:
     """dtype=auto: bfloat16 on CUDA; on CPU float32, or bfloat16 (with a note saying so) when only
-    that fits the free memory."""
+    that fits the free memory. params: counted on the meta device (models/meta.py)."""
     if device.type == "cuda":
         return torch.bfloat16, None
-    params, free = count_parameters(model_cls, hf_config), free_bytes(device)
-    need = _needed(params, hf_config, cfg_runtime, torch.float32)
-    if need <= free or _needed(params, hf_config, cfg_runtime, torch.bfloat16) > free:
+    free = free_bytes(device)
+    need = _needed(params, hf_config, runtime, torch.float32)
+    if need <= free or _needed(params, hf_config, runtime, torch.bfloat16) > free:
         return torch.float32, None
     return torch.bfloat16, (
         f"dtype=auto chose bfloat16: float32 would need about {need / 1e9:.1f} GB and "
@@ -76,12 +70,13 @@ def auto_dtype(model_cls: type, hf_config, cfg_runtime, device) -> tuple[torch.d
     )
 
 
-def check_fits(model_cls: type, hf_config, cfg_runtime, model_name: str, dtype: torch.dtype, device) -> None:
-    params = count_parameters(model_cls, hf_config)
-    need = _needed(params, hf_config, cfg_runtime, dtype)
+def check_fits(
+    params: int, hf_config, runtime: RuntimeConfig, model_name: str, dtype: torch.dtype, device
+) -> None:
+    need = _needed(params, hf_config, runtime, dtype)
     free = free_bytes(device)
     if need > free:
-        half = _needed(params, hf_config, cfg_runtime, torch.bfloat16)
+        half = _needed(params, hf_config, runtime, torch.bfloat16)
         hint = (
             f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
             if dtype.itemsize > 2 and half <= free

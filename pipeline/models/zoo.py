@@ -144,3 +144,9 @@ def text_config_of(hf_config):
 
 def is_vlm(hf_config) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
+
+
+def eos_ids(hf_config) -> set[int]:
+    """The language model's end-of-sequence token ids (one id or a list in the config)."""
+    eos = text_config_of(hf_config).eos_token_id
+    return set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))

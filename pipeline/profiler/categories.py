@@ -20,13 +20,3 @@ class Categorizer:
         if kernel not in self._cache:
             self._cache[kernel] = next((name for name, rx in self.patterns if rx.search(kernel)), OTHER)
         return self._cache[kernel]
-
-
-def check(patterns: Mapping[str, str]) -> str | None:
-    """The first pattern that does not compile, as `key: error`, or None."""
-    for name, regex in patterns.items():
-        try:
-            re.compile(regex)
-        except re.error as exc:
-            return f"{name}: {exc}"
-    return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from torch._C._autograd import DeviceType
 from torch._C._profiler import _EventType
 
-RANGE_PREFIX = "module::"
+from pipeline.graphs import parse_range
 
 
 @dataclass
@@ -84,18 +84,6 @@ def _shapes(event) -> list[list[int]]:
         if sizes is not None:
             shapes.append([int(s) for s in sizes])
     return shapes
-
-
-def parse_range(name: str) -> tuple[str, str] | None:
-    """(fqn, class) of a `module::<fqn>|<Class>` range name."""
-    if not name.startswith(RANGE_PREFIX):
-        return None
-    fqn, _, cls = name[len(RANGE_PREFIX) :].rpartition("|")
-    return fqn, cls
-
-
-def range_name(fqn: str, cls: str) -> str:
-    return f"{RANGE_PREFIX}{fqn}|{cls}"
 
 
 def _module_span(event, module_names: dict[int, str]) -> ModuleSpan | None:

@@ -22,8 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import fx, nn
 
-from pipeline.profiler.events import range_name
-from pipeline.transforms.registry import find_graphs
+from pipeline.graphs import find_graphs, range_name
 
 ENTER = torch.ops.profiler._record_function_enter_new.default
 EXIT = torch.ops.profiler._record_function_exit._RecordFunction

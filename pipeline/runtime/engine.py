@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from pipeline.attention.kv_cache import PagedKVCache, pages_for
+from pipeline.config import RuntimeConfig
+from pipeline.devices import sync
+from pipeline.graphs import cached_graphs, find_graphs, range_name, record_of
 from pipeline.models.images import concat_pixels
-from pipeline.profiler.events import range_name
-from pipeline.runtime.kv_cache import PagedKVCache, pages_for
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams, sample
 
@@ -31,11 +33,6 @@ def engine_span(part: str):
     """A named range for the profiler: the engine's own work shows as `demollm.<part>` in the
     module tree instead of unattributed (a no-op when no profiler runs)."""
     return torch.profiler.record_function(range_name(f"demollm.{part}", "DemoLLM"))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _positions(text_config, positions: torch.Tensor) -> torch.Tensor:
@@ -51,14 +48,13 @@ def _images(requests: list[Request]) -> dict[str, torch.Tensor]:
 
 
 class PagedRunner:
-    def __init__(self, model: nn.Module, graph: fx.GraphModule, hf_config, cfg_runtime, device):
+    def __init__(self, model: nn.Module, graph: fx.GraphModule, hf_config, runtime: RuntimeConfig, device):
         self.model, self.graph, self.device = model, graph, device
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
-        self.cache = PagedKVCache(
-            graph.cache_specs, pages_for(cfg_runtime, graph.cache_specs), cfg_runtime.attn_page_size, device
-        )
+        specs = record_of(graph).cache_specs
+        self.cache = PagedKVCache(specs, pages_for(runtime, specs), runtime.attn_page_size, device)
         self.step_inputs: dict[str, torch.Tensor] = {}
-        graph.runtime_inputs = lambda call: self.step_inputs
+        record_of(graph).runtime_inputs = lambda call: self.step_inputs
         self.eager_lm_head = not isinstance(model, fx.GraphModule)
 
     def prefill(self, requests: list[Request]) -> torch.Tensor:
@@ -188,10 +184,11 @@ class Generation:
 
 
 class DemoLLM:
-    def __init__(self, model: nn.Module, hf_config, cfg_runtime, device: torch.device, eos_ids: set[int]):
-        graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and hasattr(m, "cache_specs")]
-        captured = [m for m in model.modules() if isinstance(m, fx.GraphModule)]
-        if captured and not graphs:
+    def __init__(
+        self, model: nn.Module, hf_config, runtime: RuntimeConfig, device: torch.device, eos_ids: set[int]
+    ):
+        graphs = [gm for _, gm in cached_graphs(model)]
+        if find_graphs(model) and not graphs:
             raise ValueError(
                 "the captured graph has no cached attention, so demollm cannot decode with it: enable "
                 "transforms.match_attention and transforms.insert_cached_attention"
@@ -203,12 +200,10 @@ class DemoLLM:
                 "a full graph of a VLM takes image inputs in every call, so it cannot decode; use capture=partial"
             )
         self.device, self.eos_ids = device, eos_ids
-        self.lookahead = cfg_runtime.lookahead
+        self.lookahead = runtime.lookahead
         text_config = getattr(hf_config, "text_config", None) or hf_config
         if graphs:
-            self.runner: PagedRunner | EagerRunner = PagedRunner(
-                model, graphs[0], hf_config, cfg_runtime, device
-            )
+            self.runner: PagedRunner | EagerRunner = PagedRunner(model, graphs[0], hf_config, runtime, device)
         else:
             pad = text_config.pad_token_id if text_config.pad_token_id is not None else 0
             self.runner = EagerRunner(model, pad, device)
@@ -248,7 +243,7 @@ class DemoLLM:
                     # ordered before any later step that reuses them)
             return kept
 
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         last = self._launch(requests, self.runner.prefill(requests), params, generator)
         read(last)

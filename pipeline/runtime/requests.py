@@ -9,13 +9,14 @@ or local files from `prompt.images` (cycled over the requests). Nothing is fetch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import ListConfig, OmegaConf
 from PIL import Image
 
+from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
 from pipeline.models.images import default_image_size, image_token_id, load_image, preprocess, synthetic_image
 from pipeline.models.inputs import random_ids, special_ids
@@ -52,13 +53,9 @@ def _refuse_urls(query: Any, index: int) -> None:
         )
 
 
-def _plain(queries) -> list | None:
-    return OmegaConf.to_container(queries, resolve=True) if isinstance(queries, ListConfig) else queries
-
-
 def check_queries(queries, has_tokenizer: bool) -> None:
     """Before any model is built: queries that need a tokenizer need a local one."""
-    for index, query in enumerate(_plain(queries) or []):
+    for index, query in enumerate(queries or []):
         _refuse_urls(query, index)
         if query in ("", [], {}) or (isinstance(query, dict) and not query.get("prompt", "x")):
             raise ConfigError(f"prompt.queries[{index}] is empty; give it text, token ids or messages")
@@ -88,23 +85,25 @@ def check_images(paths, hf_config) -> None:
             )
 
 
-def check_workload(cfg, hf_config) -> None:
+def check_workload(cfg: PipelineConfig, hf_config) -> None:
     """Before any model is built: the generated workload's requests can be made (room for text
     beside each distinct image, input and sequence limits). Each distinct image is preprocessed
     once, on CPU; no model is needed."""
     if cfg.prompt.queries:
         return  # checked by check_queries; tokenizing needs the checkpoint's tokenizer
-    probe = OmegaConf.masked_copy(cfg, ["prompt", "runtime", "seed"])
-    probe.prompt.batch_size = max(1, min(cfg.prompt.batch_size, len(cfg.prompt.images or [None])))
-    build_requests(probe, hf_config, torch.float32, torch.device("cpu"))
+    probe = dataclasses.replace(
+        cfg.prompt, batch_size=max(1, min(cfg.prompt.batch_size, len(cfg.prompt.images or [None])))
+    )
+    build_requests(probe, cfg.runtime, cfg.seed, hf_config, torch.float32, torch.device("cpu"))
 
 
-def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Request]:
-    prompt = cfg.prompt
+def build_requests(
+    prompt: PromptConfig, runtime: RuntimeConfig, seed: int, hf_config, dtype, device, tokenizer=None
+) -> list[Request]:
     text_config = getattr(hf_config, "text_config", None) or hf_config
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(seed)
     is_vlm = getattr(hf_config, "vision_config", None) is not None
-    queries = _plain(prompt.queries) or None
+    queries = prompt.queries or None
     requests = []
     for seq_id in range(prompt.batch_size if queries is None else len(queries)):
         images: dict[str, torch.Tensor] = {}
@@ -139,14 +138,14 @@ def build_requests(cfg, hf_config, dtype, device, tokenizer=None) -> list[Reques
                 tokens = tokenizer(text)["input_ids"]
         if not tokens:
             raise ConfigError(f"request {seq_id} has an empty prompt")
-        if len(tokens) > cfg.runtime.max_input_len:
+        if len(tokens) > runtime.max_input_len:
             raise ConfigError(
-                f"request {seq_id} has {len(tokens)} prompt tokens > runtime.max_input_len={cfg.runtime.max_input_len}"
+                f"request {seq_id} has {len(tokens)} prompt tokens > runtime.max_input_len={runtime.max_input_len}"
             )
-        if len(tokens) + prompt.output_len > cfg.runtime.max_seq_len:
+        if len(tokens) + prompt.output_len > runtime.max_seq_len:
             raise ConfigError(
                 f"request {seq_id}: {len(tokens)} prompt + {prompt.output_len} output tokens > runtime.max_seq_len="
-                f"{cfg.runtime.max_seq_len}; shorten it or raise runtime.max_seq_len"
+                f"{runtime.max_seq_len}; shorten it or raise runtime.max_seq_len"
             )
         requests.append(Request(seq_id, tokens, images))
     return requests

@@ -9,21 +9,11 @@ from torch import nn
 
 from pipeline import backends, correctness
 from pipeline.backends.compile import compiled_frames
+from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
 from pipeline.faults import maybe_fail
+from pipeline.graphs import find_graphs
 from pipeline.state import RunState, StageResult
-from pipeline.transforms.registry import find_graphs
-
-
-def _free_memory() -> None:
-    import gc
-
-    import torch
-
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run(state: RunState) -> StageResult:
@@ -61,7 +51,7 @@ def run(state: RunState) -> StageResult:
         # Whatever the attempt held (compiled code, captured graphs, their memory pools) goes now,
         # so a fallback, or the next job of a sweep, has the memory back.
         backends.remove(targets)
-        _free_memory()
+        free_memory()
         if state.cfg.backend.fallback != "eager":
             raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
         result.tags["capture_fallback"] = "true"

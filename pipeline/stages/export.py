@@ -8,6 +8,7 @@ import json
 from pipeline import correctness
 from pipeline.errors import StageFailure, short_cause
 from pipeline.export import graph_capture
+from pipeline.graphs import record_of
 from pipeline.state import RunState, StageResult
 
 
@@ -54,7 +55,9 @@ def run(state: RunState) -> StageResult:
 
     if paths == [""] and state.model_info.is_vlm and state.model_info.language_model_paths:
         # Where the decoder sits inside a full graph, for transforms that touch only its layers.
-        state.captured[0].graph_module.language_model_prefix = state.model_info.language_model_paths[0]
+        record_of(
+            state.captured[0].graph_module
+        ).language_model_prefix = state.model_info.language_model_paths[0]
     result = StageResult(notes=notes)
     for captured in state.captured:
         result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes

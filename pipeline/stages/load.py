@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.export.graph_capture import find_language_models
+from pipeline.graphs import find_language_models
 from pipeline.models import build, zoo
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_count

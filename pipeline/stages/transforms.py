@@ -8,21 +8,18 @@ from dataclasses import asdict
 
 from pipeline import correctness
 from pipeline.errors import StageFailure
+from pipeline.graphs import find_graphs
 from pipeline.state import RunState, StageResult
 from pipeline.transforms import registry
 
 
 def run(state: RunState) -> StageResult:
     transforms = registry.parse(state.cfg.transforms)
-    for transform in transforms:
-        if getattr(transform.config, "backend", None) == "auto":
-            transform.config.backend = state.attention  # the run's resolved attention= backend
-        if hasattr(transform.config, "page_size"):
-            transform.config.page_size = state.cfg.runtime.attn_page_size
+    ctx = registry.TransformContext(state.attention, state.cfg.runtime.attn_page_size, state.device)
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()
     try:
-        registry.run_transforms(state.model, transforms, history)
+        registry.run_transforms(state.model, transforms, ctx, history)
     except registry.TransformFailed as failed:
         _report(state, history, result)
         raise StageFailure(
@@ -47,7 +44,7 @@ def _report(state: RunState, history: registry.TransformHistory, result: StageRe
     report.write_text(json.dumps([asdict(r) for r in history.records], indent=2))
     (folder / "report.txt").write_text(history.table() + "\n")
     result.artifacts += [report, folder / "report.txt"]
-    for name, graph in registry.find_graphs(state.model):
+    for name, graph in find_graphs(state.model):
         path = folder / name / "graph.py"
         path.parent.mkdir(exist_ok=True)
         path.write_text(graph.code)

@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline.profiler.output import load
 from pipeline.report.breakdown import kernel_times, module_buckets
+from pipeline.tracking import run_file
 
 
 class CompareError(Exception):
@@ -39,25 +40,12 @@ def load_profile(ref: str, uri: str | None) -> tuple[str, dict[str, Any]]:
         if not path.exists():
             raise CompareError(f"{ref} has no profile/profile.json (did its profile stage run?)")
         return folder.name, _read(path)
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.tracking import default_uri
-
-    client = MlflowClient(uri or default_uri())
-    try:
-        run = client.get_run(ref)
-    except MlflowException:
-        raise CompareError(f"{ref} is neither a run folder nor a run id in {uri or default_uri()}") from None
-    local = Path(run.data.tags.get("run_dir", "")) / "profile" / "profile.json"
-    if local.exists():
-        return run.info.run_name or ref, _read(local)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = client.download_artifacts(ref, "profile/profile.json", tmp)
-            return run.info.run_name or ref, _read(Path(path))
-    except (MlflowException, OSError) as exc:
-        raise CompareError(f"run {ref} has no profile artifact ({type(exc).__name__})") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            name, path = run_file(ref, "profile/profile.json", uri, Path(tmp))
+        except LookupError as exc:
+            raise CompareError(str(exc)) from None
+        return name, _read(path)
 
 
 def differences(

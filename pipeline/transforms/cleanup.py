@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import fx
 
 from pipeline.transforms.graph import INT64_MAX, aten, finish, is_op
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 _ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default)
 
@@ -56,7 +56,7 @@ def _is_noop(node: fx.Node) -> bool:
 class Cleanup(Transform):
     name = "cleanup"
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
         for node in list(gm.graph.nodes):
             if is_op(node, *_ASSERTS):

@@ -14,9 +14,9 @@ import operator
 import torch
 from torch import fx
 
-from pipeline.transforms import ops  # noqa: F401  (registers the canonical ops used below)
+from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
 from pipeline.transforms.graph import aten, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 RMS_NORM = torch.ops.pipeline.rms_norm.default
 ADD_RMS_NORM = torch.ops.pipeline.add_rms_norm.default
@@ -33,7 +33,7 @@ def _same_tensor_type(a, b) -> bool:
 class FuseAddRMSNorm(Transform):
     name = "fuse_add_rmsnorm"
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
         matches = 0
         for norm in list(gm.graph.nodes):

@@ -24,7 +24,7 @@ from pipeline.transforms.graph import (
     is_op,
     replace,
 )
-from pipeline.transforms.registry import Transform, TransformConfig, register
+from pipeline.transforms.registry import Transform, TransformConfig, TransformContext, register
 
 
 @dataclass
@@ -42,7 +42,7 @@ class FuseGemms(Transform):
     name = "fuse_gemms"
     Config = FuseGemmsConfig
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         # Linears with parameter weights (and biases, as Qwen's q/k/v have), grouped by input and
         # by whether they have a bias: both kinds can read the same input.
         groups: dict[tuple[fx.Node, bool], list[fx.Node]] = defaultdict(list)

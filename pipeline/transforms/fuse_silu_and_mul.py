@@ -17,9 +17,9 @@ import operator
 import torch
 from torch import fx
 
-from pipeline.transforms import ops  # noqa: F401  (registers the canonical ops used below)
+from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
 from pipeline.transforms.graph import aten, fake_value, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 SILU_AND_MUL = torch.ops.pipeline.silu_and_mul.default
 
@@ -65,7 +65,7 @@ def _gate_up(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, int, int] | None:
 class FuseSiluAndMul(Transform):
     name = "fuse_silu_and_mul"
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
         for mul in list(gm.graph.nodes):
             if not (is_op(mul, aten.mul.Tensor) and len(mul.args) == 2 and not mul.kwargs):

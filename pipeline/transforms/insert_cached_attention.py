@@ -1,49 +1,41 @@
-"""insert_cached_attention: every `pipeline::attention` becomes a cached attention op of the chosen
-backend, which writes the new keys/values into a paged KV cache and attends over the history.
+"""insert_cached_attention: every `pipeline::attention` becomes a cached attention op of the run's
+`attention=` backend, which writes the new keys/values into a paged KV cache and attends over the
+history.
 
 The graph gains kwargs inputs: one cache per attention layer (`kv_cache_<i>`: [2, pages, page_size,
 Hkv, D]) and the step's sequence metadata (`qo_indptr`, `cache_lens`, `page_table`), and one
 `pipeline::attention_plan` node, before the first layer, that turns the metadata into per-token
-sequence/position/slot tensors for all layers. The causal
-mask HF computed from shapes is dropped; the layer's sliding window or attention chunk (Llama-4's
-chunked layers) comes from the text config's `layer_types` and goes to the op.
-In a full graph of a VLM only the language model's attention (under the graph's
-`language_model_prefix`, set at export) gets a cache. A graph module with cached attention carries `cache_specs` (what to allocate) and a
-`runtime_inputs` provider the kwargs adapter calls for those inputs: by default a fresh cache per
-call (each call is a prefill of new sequences, so a plain forward still works and is checked
-against eager); demollm binds its own.
+sequence/position/slot tensors for all layers. The causal mask HF computed from shapes is dropped;
+the layer's sliding window or attention chunk (Llama-4's chunked layers) comes from the text
+config's `layer_types` and goes to the op. In a full graph of a VLM only the language model's
+attention (under the record's `language_model_prefix`, set at export) gets a cache. The graph's
+record then carries `cache_specs` (what to allocate) and a `runtime_inputs` provider the kwargs
+adapter calls for those inputs: by default a fresh cache per call (each call is a prefill of new
+sequences, so a plain forward still works and is checked against eager); demollm binds its own.
 """
 
 from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from pipeline import ops  # noqa: F401  (registers pipeline::attention)
 from pipeline.attention import (
     cached_attention_op,
     common,  # noqa: F401  (registers pipeline::attention_plan)
-    resolve,
 )
-from pipeline.export.graph_capture import first_tensor
-from pipeline.runtime.kv_cache import CacheSpec, PagedKVCache
-from pipeline.transforms import ops  # noqa: F401  (registers pipeline::attention)
+from pipeline.attention.kv_cache import CacheSpec, PagedKVCache
+from pipeline.graphs import first_tensor, record_of
 from pipeline.transforms.graph import add_inputs, finish, is_op, replace
-from pipeline.transforms.registry import Transform, TransformConfig, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
 PLAN = torch.ops.pipeline.attention_plan.default
 METADATA = ("qo_indptr", "cache_lens", "page_table")
 _LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass
-class InsertCachedAttentionConfig(TransformConfig):
-    backend: str = "auto"  # auto: the run's resolved `attention=` backend
-    page_size: int = 64  # for the fresh cache of plain forward calls; demollm uses runtime.attn_page_size
 
 
 def _module_path(node: fx.Node) -> str:
@@ -94,17 +86,17 @@ class FreshCacheInputs:
 @register
 class InsertCachedAttention(Transform):
     name = "insert_cached_attention"
-    Config = InsertCachedAttentionConfig
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
-        config = getattr(gm, "config", None)
-        text_config = getattr(config, "text_config", None) or config
-        prefix = getattr(gm, "language_model_prefix", "")
-        nodes = [n for n in gm.graph.nodes if is_op(n, ATTENTION) and _in_language_model(n, prefix)]
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
+        record = record_of(gm)
+        nodes = [
+            n
+            for n in gm.graph.nodes
+            if is_op(n, ATTENTION) and _in_language_model(n, record.language_model_prefix)
+        ]
         if not nodes:
             return 0
-        on_cuda = any(p.is_cuda for p in gm.parameters())
-        op = cached_attention_op(resolve(self.config.backend, on_cuda))
+        op = cached_attention_op(ctx.attention)
         specs = []
         for i, node in enumerate(nodes):
             k_value = node.args[1].meta.get("val")  # [B, Hkv, S, D]
@@ -128,7 +120,7 @@ class InsertCachedAttention(Transform):
             tokens = [gm.graph.call_function(operator.getitem, (plan, i)) for i in range(4)]
         for spec, node in zip(specs, nodes, strict=True):
             q, k, v, _mask, scale, _is_causal = node.args
-            window, chunk = _window_and_chunk(text_config, _layer_index(node))
+            window, chunk = _window_and_chunk(record.text_config, _layer_index(node))
             with gm.graph.inserting_before(node):
                 cached = gm.graph.call_function(
                     op, (q, k, v, inputs[spec.input_name], *metadata, *tokens, scale, window, chunk)
@@ -136,6 +128,6 @@ class InsertCachedAttention(Transform):
             replace(node, cached)
             gm.graph.erase_node(node)
         finish(gm)
-        gm.cache_specs = specs
-        gm.runtime_inputs = FreshCacheInputs(specs, self.config.page_size)
+        record.cache_specs = specs
+        record.runtime_inputs = FreshCacheInputs(specs, ctx.page_size)
         return len(nodes)

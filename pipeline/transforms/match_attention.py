@@ -17,9 +17,9 @@ import math
 import torch
 from torch import fx
 
-from pipeline.transforms import ops  # noqa: F401  (registers the canonical ops used below)
+from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
 from pipeline.transforms.graph import aten, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
 
@@ -73,7 +73,7 @@ def _match_eager(out: fx.Node):
 class MatchAttention(Transform):
     name = "match_attention"
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
         for node in list(gm.graph.nodes):
             if is_op(node, aten.scaled_dot_product_attention.default):

@@ -3,9 +3,9 @@
 Graph form (HF's, computed in float32):
 `[w *] cast(x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps))` with x32 = x or x.to(float32), the
 cast `to.dtype` or `type_as`; Llama-4's QK-norm is the same without the weight.
-Model scope: eager modules with a `weight` of the last dim and an epsilon (`variance_epsilon` or
-`eps`) whose class name ends in RMSNorm are swapped for a module that calls the canonical op,
-which is what the vision towers of the VLMs use.
+Model scope: eager modules (outside the captured graphs) with a `weight` of the last dim and an
+epsilon (`variance_epsilon` or `eps`) whose class name ends in RMSNorm are swapped for a module
+that calls the canonical op, which is what the vision towers of the VLMs use.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from pipeline.transforms import ops  # noqa: F401  (registers the canonical ops used below)
+from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
 from pipeline.transforms.graph import aten, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, eager_modules, register
 
 RMS_NORM = torch.ops.pipeline.rms_norm.default
 _CASTS = (aten.to.dtype, aten.type_as.default, aten._to_copy.default)
@@ -78,7 +78,7 @@ class MatchRMSNorm(Transform):
     name = "match_rmsnorm"
     scopes = ("subgraph", "model")
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
         for node in list(gm.graph.nodes):
             if not (is_op(node, aten.rsqrt.default) and (found := _match(node))):
@@ -91,20 +91,17 @@ class MatchRMSNorm(Transform):
         finish(gm)
         return matches
 
-    def apply_model(self, model: nn.Module) -> int:
+    def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
         swaps = []
-        for path, module in model.named_modules():
-            if isinstance(module, fx.GraphModule):
-                continue
+        for path, module in eager_modules(model):
             weight, eps = getattr(module, "weight", None), _eps(module)
             if (
-                type(module).__name__.endswith("RMSNorm")
+                path
+                and type(module).__name__.endswith("RMSNorm")
                 and isinstance(weight, nn.Parameter)
                 and eps is not None
             ):
                 swaps.append((path, CanonicalRMSNorm(weight, eps)))
-        graphs = [p for p, m in model.named_modules() if isinstance(m, fx.GraphModule)]
-        swaps = [(p, m) for p, m in swaps if not any(p.startswith(g + ".") for g in graphs)]
         for path, replacement in swaps:
             model.set_submodule(path, replacement)
         return len(swaps)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from pipeline.transforms import ops  # noqa: F401  (registers the canonical ops used below)
+from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
 from pipeline.transforms.graph import INT64_MAX, aten, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, register
 
 ROPE = torch.ops.pipeline.rope.default
 ROPE_COMPLEX = torch.ops.pipeline.rope_complex.default
@@ -75,7 +75,7 @@ def _match_complex(flatten: fx.Node):
 class MatchRope(Transform):
     name = "match_rope"
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
         for node in list(gm.graph.nodes):
             if is_op(node, aten.add.Tensor) and (found := _match_rotate_half(node)):

@@ -6,9 +6,9 @@ sizes reads a [N, K] weight at about a third of the machine's memory bandwidth (
 7.5 ms vs 1.7 ms; prefill GEMMs run about 2x faster too). The weight stays the same Parameter:
 oneDNN reads the plain [N, K] layout, so nothing is copied, repacked or counted twice.
 
-Scope subgraph: every `aten.linear` in a captured graph. Scope model: the same in every graph,
-plus the eager `nn.Linear` modules (lm_head of a VLM, the vision tower's projections), which are
-swapped for `OneDNNLinear` holding the same Parameters. Only float32 weights on CPU: elsewhere
+Scope subgraph: every `aten.linear` in a captured graph. Scope model: the eager `nn.Linear` modules
+outside the graphs (lm_head of a VLM, the vision tower's projections), which are swapped for
+`OneDNNLinear` holding the same Parameters. The default runs both. Only float32 weights on CPU: elsewhere
 F.linear already runs the better kernel (see `_supported`).
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from pipeline.transforms import ops  # noqa: F401  (registers pipeline::onednn_linear)
+from pipeline import ops  # noqa: F401  (registers pipeline::onednn_linear)
 from pipeline.transforms.graph import aten, finish, is_op, replace
-from pipeline.transforms.registry import Transform, register
+from pipeline.transforms.registry import Transform, TransformContext, eager_modules, register
 
 ONEDNN_LINEAR = torch.ops.pipeline.onednn_linear.default
 
@@ -67,7 +67,7 @@ class OneDNNLinearTransform(Transform):
     name = "onednn_linear"
     scopes = ("subgraph", "model")
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         if not torch.backends.mkldnn.is_available():
             return 0
         matches = 0
@@ -86,18 +86,14 @@ class OneDNNLinearTransform(Transform):
         finish(gm)
         return matches
 
-    def apply_model(self, model: nn.Module) -> int:
-        graphs = [(p, m) for p, m in model.named_modules() if isinstance(m, fx.GraphModule)]
-        matches = sum(self.apply_graph(gm) for _, gm in graphs)
+    def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
         if not torch.backends.mkldnn.is_available():
-            return matches
+            return 0
         swaps = [
             path
-            for path, module in model.named_modules()
-            if type(module) is nn.Linear
-            and _supported(module.weight)
-            and not any(path.startswith(g + ".") or g == "" for g, _ in graphs)
+            for path, module in eager_modules(model)
+            if path and type(module) is nn.Linear and _supported(module.weight)
         ]
         for path in swaps:
             model.set_submodule(path, OneDNNLinear(model.get_submodule(path)))
-        return matches + len(swaps)
+        return len(swaps)

@@ -1,10 +1,14 @@
 """The transform registry: ordered, configurable graph rewrites with a history of what each matched.
 
 Each transform is a class registered by name with a config dataclass (`enabled`, `scope`,
-`skip_on_error`, its own options). `scope: subgraph` runs once on every captured GraphModule found
-anywhere in the model; `scope: model` runs once on the whole nn.Module, eager parts included. A model without a captured
-graph (capture=none) is not transformed at all: it is the eager baseline.
-The list, order and options come from Hydra (`conf/transforms/`), validated here up front.
+`skip_on_error`, its own options). `scope` is one scope or a list of them: `subgraph` runs once on
+every captured GraphModule found anywhere in the model, `model` once on the eager parts of the
+model (the modules outside every captured graph). With both, the subgraph pass runs first, then
+the model pass, each recorded in the history. A model without a captured graph (capture=none) is
+not transformed at all: it is the eager baseline. The list, order and options come from Hydra
+(`conf/transforms/`), validated here up front; what every transform shares about the run (the
+attention backend, the page size, the device) comes in a `TransformContext`, as AutoDeploy passes
+its shared config.
 """
 
 from __future__ import annotations
@@ -13,25 +17,37 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from omegaconf import DictConfig, OmegaConf
+import torch
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import fx, nn
 
 from pipeline.errors import ConfigError
+from pipeline.graphs import find_graphs
 
-SCOPES = ("model", "subgraph")
+SCOPES = ("subgraph", "model")  # also the order in which a transform's scopes run
 
 
 @dataclass
 class TransformConfig:
     enabled: bool = True
-    scope: str = "subgraph"
+    scope: Any = "subgraph"  # one of SCOPES, or a list of them
     skip_on_error: bool = False
+
+
+@dataclass
+class TransformContext:
+    """What the run decided that transforms share."""
+
+    attention: str  # the resolved attention= backend: torch | triton | flashinfer
+    page_size: int  # runtime.attn_page_size
+    device: torch.device
 
 
 class Transform:
     """Subclasses set `name`, `scopes` (which scopes they can run in), `Config`, and implement
-    `apply_graph` (scope subgraph) and/or `apply_model` (scope model); both return the match count."""
+    `apply_graph` (scope subgraph) and/or `apply_model` (scope model: the eager modules outside the
+    captured graphs); both return the match count."""
 
     name: ClassVar[str]
     scopes: ClassVar[tuple[str, ...]] = ("subgraph",)
@@ -40,10 +56,16 @@ class Transform:
     def __init__(self, config: Any):
         self.config = config
 
-    def apply_graph(self, gm: fx.GraphModule) -> int:
+    @property
+    def run_scopes(self) -> list[str]:
+        """The configured scopes, in the order they run."""
+        chosen = [self.config.scope] if isinstance(self.config.scope, str) else list(self.config.scope)
+        return [scope for scope in SCOPES if scope in chosen]
+
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         raise NotImplementedError
 
-    def apply_model(self, model: nn.Module) -> int:
+    def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
         raise NotImplementedError
 
 
@@ -55,7 +77,7 @@ def register(cls: type[Transform]) -> type[Transform]:
     return cls
 
 
-def parse(transforms_cfg: DictConfig | dict | None) -> list[Transform]:
+def parse(transforms_cfg: dict | None) -> list[Transform]:
     """Validated transforms in config order; every mistake is a ConfigError naming the key."""
     transforms = []
     for name, options in (transforms_cfg or {}).items():
@@ -71,13 +93,17 @@ def parse(transforms_cfg: DictConfig | dict | None) -> list[Transform]:
             raise ConfigError(
                 f"{where}: {detail}; see the options of {name} in conf/transforms/default.yaml"
             ) from None
-        if config.scope not in SCOPES:
+        scopes = [config.scope] if isinstance(config.scope, str) else list(config.scope or [])
+        shown = ",".join(map(str, scopes))
+        if not scopes or any(scope not in SCOPES for scope in scopes):
             raise ConfigError(
-                f"transforms.{name}.scope={config.scope} is not a scope; use one of: {', '.join(SCOPES)}"
+                f"transforms.{name}.scope={shown} is not a scope; use one of {', '.join(SCOPES)} or a list "
+                "of them, e.g. [subgraph,model]"
             )
-        if config.scope not in cls.scopes:
+        if unfit := [scope for scope in scopes if scope not in cls.scopes]:
             raise ConfigError(
-                f"transforms.{name}.scope={config.scope} does not fit: {name} runs on {' or '.join(cls.scopes)}"
+                f"transforms.{name}.scope={shown}: {name} cannot run on {unfit[0]}; it runs on "
+                f"{' or '.join(cls.scopes)}"
             )
         transforms.append(cls(OmegaConf.to_object(config)))
     return transforms
@@ -93,6 +119,7 @@ class TransformRecord:
     nodes_after: int = 0
     seconds: float = 0.0
     reason: str = ""
+    scope: str = ""  # subgraph | model: the pass this record is of
 
 
 @dataclass
@@ -144,29 +171,19 @@ class _Snapshot:
             module.recompile()
 
 
-def find_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
-    """Every captured GraphModule in the model, outermost only ("root" when the model is one)."""
-    found: list[tuple[str, fx.GraphModule]] = []
-    for path, module in model.named_modules():
-        if isinstance(module, fx.GraphModule) and not any(
-            path.startswith(p + ".") or p == "" for p, _ in found
-        ):
-            found.append((path, module))
-    return [(path or "root", module) for path, module in found]
-
-
 class TransformFailed(Exception):
     def __init__(self, record: TransformRecord):
         super().__init__(f"transform {record.transform} failed on {record.target}: {record.reason}")
         self.record = record
 
 
-def run_transforms(model: nn.Module, transforms: list[Transform], history: TransformHistory) -> None:
+def run_transforms(
+    model: nn.Module, transforms: list[Transform], ctx: TransformContext, history: TransformHistory
+) -> None:
     """Apply in order; records go into `history` as they happen, so a failure keeps the earlier ones."""
     graphs = find_graphs(model)
     for transform in transforms:
-        config = transform.config
-        if not config.enabled:
+        if not transform.config.enabled:
             history.records.append(TransformRecord(transform.name, "-", "disabled", reason="enabled=false"))
             continue
         if not graphs:  # capture=none: the eager model is the baseline, left as HF wrote it
@@ -176,20 +193,23 @@ def run_transforms(model: nn.Module, transforms: list[Transform], history: Trans
                 )
             )
             continue
-        targets: list[tuple[str, nn.Module]] = [("model", model)] if config.scope == "model" else graphs
-        for name, target in targets:
-            history.records.append(_apply_one(transform, name, target))
+        for scope in transform.run_scopes:
+            targets: list[tuple[str, nn.Module]] = [("model", model)] if scope == "model" else graphs
+            for name, target in targets:
+                history.records.append(_apply_one(transform, scope, name, target, ctx))
 
 
-def _apply_one(transform: Transform, name: str, target: nn.Module) -> TransformRecord:
-    record = TransformRecord(transform.name, name, "applied", nodes_before=_node_count(target))
+def _apply_one(
+    transform: Transform, scope: str, name: str, target: nn.Module, ctx: TransformContext
+) -> TransformRecord:
+    record = TransformRecord(transform.name, name, "applied", scope=scope, nodes_before=_node_count(target))
     snapshot = _Snapshot(target)
     start = time.perf_counter()
     try:
-        if transform.config.scope == "model":
-            record.matches = transform.apply_model(target)
+        if scope == "model":
+            record.matches = transform.apply_model(target, ctx)
         else:
-            record.matches = transform.apply_graph(target)
+            record.matches = transform.apply_graph(target, ctx)
     except Exception as exc:
         record.seconds = time.perf_counter() - start
         record.reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -201,3 +221,14 @@ def _apply_one(transform: Transform, name: str, target: nn.Module) -> TransformR
     record.seconds = time.perf_counter() - start
     record.nodes_after = _node_count(target)
     return record
+
+
+def eager_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's modules outside every captured graph (what scope `model` rewrites), the graphs
+    themselves left out."""
+    graphs = [path for path, m in model.named_modules() if isinstance(m, fx.GraphModule)]
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if not any(path == g or path.startswith(g + ".") or g == "" for g in graphs)
+    ]

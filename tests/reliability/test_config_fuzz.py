@@ -6,7 +6,7 @@ exit code 2, one line on stderr, no MLflow store touched."""
 
 from __future__ import annotations
 
-from conftest import compose_cfg, run_pipeline
+from conftest import compose_dict, run_pipeline
 from hydra.errors import HydraException
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,6 +65,11 @@ KEYS = {
     "prompt.images": st.sampled_from(["[/nonexistent.png]", "['http://example.com/x.png']", "null"]),
     "unknown_key": NUMBERS,
     "prompt.bogus": NUMBERS,
+    "+added_key": NUMBERS,
+    "+runtime.added": NUMBERS,
+    "capture.submodules": st.sampled_from(
+        ["[model.language_model]", "[model.language_modle]", "[nope]", "null"]
+    ),
 }
 
 
@@ -81,7 +86,7 @@ def override_sets(draw) -> list[str]:
 def _outcome(overrides: list[str]) -> str | None:
     """None when every pre-model check passes, else the one-line error a user would see."""
     try:
-        cfg = compose_cfg(overrides)
+        cfg = compose_dict(overrides)
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line(exc)
     try:

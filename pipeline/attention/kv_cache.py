@@ -1,4 +1,5 @@
-"""The paged KV cache: per-layer page pools, a page allocator, and the per-step sequence metadata.
+"""The paged KV cache, the storage side of the cached attention contract (common.py): per-layer
+page pools, a page allocator, and the per-step sequence metadata the ops read.
 
 A layer's cache is one tensor [2, num_pages, page_size, Hkv, D] (keys, values). A sequence owns a
 list of pages; its token at position p lives in page_table[p // page_size], slot p % page_size.
@@ -12,6 +13,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.config import RuntimeConfig
 
 
 class CacheFull(RuntimeError):
@@ -28,14 +31,14 @@ class CacheSpec:
     dtype: torch.dtype
 
 
-def pages_for(cfg_runtime, specs: list[CacheSpec]) -> int:
+def pages_for(runtime: RuntimeConfig, specs: list[CacheSpec]) -> int:
     """From runtime.kv_cache_mb when set, else enough for max_batch_size sequences of max_seq_len;
     plus the scratch page."""
-    page = cfg_runtime.attn_page_size
-    if cfg_runtime.get("kv_cache_mb"):
+    page = runtime.attn_page_size
+    if runtime.kv_cache_mb:
         bytes_per_page = sum(2 * page * s.num_kv_heads * s.head_dim * s.dtype.itemsize for s in specs)
-        return max(1, int(cfg_runtime.kv_cache_mb * 2**20 // bytes_per_page)) + 1
-    return cfg_runtime.max_batch_size * (cfg_runtime.max_seq_len // page) + 1
+        return max(1, int(runtime.kv_cache_mb * 2**20 // bytes_per_page)) + 1
+    return runtime.max_batch_size * (runtime.max_seq_len // page) + 1
 
 
 class PagedKVCache:

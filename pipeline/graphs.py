@@ -1,0 +1,113 @@
+"""What a captured graph carries between stages, and the graph helpers several packages share.
+
+A `GraphModule` that export swapped into the model holds one `GraphRecord` in `gm.meta["pipeline"]`
+(AutoDeploy keeps its per-graph state in the graph module the same way): where it sits, the config
+of the module it replaced, its kwargs contract (tensor inputs, baked-in constants), and, once
+`insert_cached_attention` ran, its KV cache layout and the provider of the runtime inputs. Every
+package reads it through `record_of`; nothing is stored as a loose attribute, except what the eager
+parent itself asks of its child (`config`, `get_input_embeddings`), which export keeps for it.
+
+Also here, because export, transforms, backends, runtime and the profiler all need them and must
+not import each other for it: `find_graphs`, `find_language_models`, `first_tensor` and the names
+of the profiler's module ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pipeline.attention.kv_cache import CacheSpec
+
+RECORD_KEY = "pipeline"
+
+# Runtime inputs a graph gained after export (KV caches, step metadata), from the call's kwargs.
+RuntimeInputs = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class GraphRecord:
+    path: str  # dotted path in the parent model; "" when the whole model was captured
+    config: Any  # the HF config of the module the graph replaced
+    tensor_inputs: list[str]  # the graph's kwargs as exported
+    constants: dict[str, Any]  # values baked in at export; a call must pass the same or none
+    language_model_prefix: str = ""  # in a full graph of a VLM: where the decoder sits inside it
+    cache_specs: list[CacheSpec] = field(default_factory=list)  # one per cached attention layer
+    runtime_inputs: RuntimeInputs | None = None  # fills the cache and metadata inputs of a call
+
+    @property
+    def name(self) -> str:
+        return self.path or "root"
+
+    @property
+    def has_cache(self) -> bool:
+        return bool(self.cache_specs)
+
+    @property
+    def text_config(self) -> Any:
+        return getattr(self.config, "text_config", None) or self.config
+
+
+def record_of(gm: nn.Module) -> GraphRecord:
+    """The record of a captured graph; KeyError for a module export did not produce."""
+    record = getattr(gm, "meta", {}).get(RECORD_KEY) if isinstance(gm, fx.GraphModule) else None
+    if record is None:
+        raise KeyError(f"{type(gm).__name__} is not a graph captured by the pipeline (no GraphRecord)")
+    return record
+
+
+def set_record(gm: fx.GraphModule, record: GraphRecord) -> None:
+    gm.meta[RECORD_KEY] = record
+
+
+def find_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
+    """Every captured GraphModule in the model, outermost only ("root" when the model is one)."""
+    found: list[tuple[str, fx.GraphModule]] = []
+    for path, module in model.named_modules():
+        if isinstance(module, fx.GraphModule) and not any(
+            path.startswith(p + ".") or p == "" for p, _ in found
+        ):
+            found.append((path, module))
+    return [(path or "root", module) for path, module in found]
+
+
+def cached_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
+    """The captured graphs that have cached attention (what demollm and CUDA graphs drive)."""
+    return [(name, gm) for name, gm in find_graphs(model) if record_of(gm).has_cache]
+
+
+def find_language_models(model: nn.Module, text_config) -> list[str]:
+    """The decoder stack of a VLM: the outermost module whose config is the text config and that
+    holds the decoder `layers` (Llama-4's `language_model` is the CausalLM around it)."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if getattr(module, "config", None) is text_config and hasattr(module, "layers"):
+            if not any(path.startswith(outer + ".") for outer in found):
+                found.append(path)
+    return found
+
+
+def first_tensor(call: dict[str, Any]) -> torch.Tensor:
+    """input_ids [B, S] or inputs_embeds [B, S, H]: the call's batch and sequence."""
+    return next(call[k] for k in ("input_ids", "inputs_embeds") if isinstance(call.get(k), torch.Tensor))
+
+
+# Profiler ranges named after modules: `module::<fqn>|<Class>`. The profiler puts them into graphs
+# (profiler/ranges.py) and the engine names its own work with them.
+RANGE_PREFIX = "module::"
+
+
+def range_name(fqn: str, cls: str) -> str:
+    return f"{RANGE_PREFIX}{fqn}|{cls}"
+
+
+def parse_range(name: str) -> tuple[str, str] | None:
+    """(fqn, class) of a `module::<fqn>|<Class>` range name."""
+    if not name.startswith(RANGE_PREFIX):
+        return None
+    fqn, _, cls = name[len(RANGE_PREFIX) :].rpartition("|")
+    return fqn, cls

@@ -1,0 +1,175 @@
+"""A profiled generation: an unprofiled warm-up of the same workload, then one torch.profiler window
+per step (prefill, decode_1 .. decode_N), each read into a module tree, and the phases, metrics and
+files made from them.
+
+The unprofiled generation warms up and gives the step times the profiled ones are compared with
+(profile/overhead_ratio). Both run with every step read before the next is launched, so the ratio is
+the profiler's alone, and with EOS ignored, so every window exists.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from pipeline.profiler import events, output, tables, tree
+from pipeline.profiler.categories import Categorizer
+from pipeline.profiler.ranges import module_ranges
+
+
+class WindowsMissing(RuntimeError):
+    """The profiler closed fewer windows than the generation had steps."""
+
+
+class WindowCollector:
+    """on_trace_ready: each closed window becomes a phase (prefill, decode_1, ...), its Chrome
+    trace written at once and its events read while the profiler still holds them."""
+
+    def __init__(self, trace_dir: Path, module_names: dict[int, str]):
+        self.trace_dir, self.module_names = trace_dir, module_names
+        self.windows: list[tuple[str, events.Window]] = []
+
+    def __call__(self, prof) -> None:
+        phase = "prefill" if not self.windows else f"decode_{len(self.windows)}"
+        prof.export_chrome_trace(str(self.trace_dir / f"{phase}.json"))
+        self.windows.append((phase, events.read_window(prof, self.module_names)))
+
+
+@dataclass
+class ProfiledRun:
+    windows: list[tuple[str, events.Window]]
+    step_s: list[float]  # the profiled steps' own times: prefill, then each decode step
+    unprofiled_step_s: list[float]  # the same steps without the profiler
+    instrumented: list[str] = field(default_factory=list)  # graphs that got module ranges
+
+
+def profile_steps(
+    model: nn.Module,
+    generate,
+    decode_steps: int,
+    trace_dir: Path,
+    on_cuda: bool,
+    module_ranges_in_graphs: bool,
+) -> ProfiledRun:
+    """generate(max_new_tokens, after_step) runs the workload: once unprofiled, once profiled with one
+    window per step. Module ranges go into the graphs (when asked: only a graph that runs its own
+    forward shows them) for the profiled run only."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    unprofiled = generate(decode_steps + 1, lambda: None)
+    collector = WindowCollector(trace_dir, {})
+    ranges = module_ranges(model) if module_ranges_in_graphs else nullcontext([])
+    with ranges as instrumented, warnings.catch_warnings():
+        # warmup=0 is deliberate: windows are consecutive steps, and the warm-up ran above.
+        warnings.filterwarnings("ignore", message=".*warmup.*")
+        warnings.filterwarnings("ignore", message=".*clears events.*")
+        collector.module_names = {id(m): name for name, m in model.named_modules()}
+        with profile(
+            activities=activities,
+            record_shapes=True,
+            with_stack=True,
+            schedule=schedule(wait=0, warmup=0, active=1, repeat=decode_steps + 1),
+            on_trace_ready=collector,
+        ) as prof:
+            profiled = generate(decode_steps + 1, prof.step)
+    step_s = [profiled.prefill_s, *profiled.decode_step_s]
+    if len(collector.windows) != len(step_s):
+        raise WindowsMissing(f"the profiler closed {len(collector.windows)} windows for {len(step_s)} steps")
+    return ProfiledRun(
+        collector.windows, step_s, [unprofiled.prefill_s, *unprofiled.decode_step_s], list(instrumented)
+    )
+
+
+def context(device: torch.device, **run: Any) -> dict[str, Any]:
+    """profile.json's context: what ran (the run's own fields), on what, with which versions."""
+    import transformers
+
+    return {
+        **run,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _entry(root: tree.Node, step_s: float) -> dict[str, Any]:
+    attributed, in_layers = tree.coverage(root)
+    return {
+        "step_ms": 1000 * step_s,
+        "device_time_us": root.device_time_us,
+        "coverage_pct": attributed,
+        "layer_coverage_pct": in_layers,
+        "summary_stats": output.to_dict(tree.summary_tree(root)),
+        "model_stats": output.to_dict(root),
+    }
+
+
+def phases_of(run: ProfiledRun, categories: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """profile.json's phases: one per window, and `decode`, the mean of the decode windows."""
+    categorize = Categorizer(categories)
+    trees = [tree.model_tree(window, phase, categorize) for phase, window in run.windows]
+    phases = {
+        phase: _entry(root, step_s)
+        for (phase, _), root, step_s in zip(run.windows, trees, run.step_s, strict=True)
+    }
+    phases["decode"] = {
+        **_entry(tree.mean_tree(trees[1:], "decode"), statistics.median(run.step_s[1:])),
+        "mean_of": [phase for phase, _ in run.windows[1:]],
+    }
+    return phases
+
+
+def _weighted(phases: dict[str, dict], key: str) -> float:
+    """A percentage over all step windows together, each weighted by its device time."""
+    steps = [e for name, e in phases.items() if name != "decode"]
+    total = sum(e["device_time_us"] for e in steps)
+    return sum(e[key] * e["device_time_us"] for e in steps) / total if total else 0.0
+
+
+def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
+    decode, unprofiled_decode = (
+        statistics.median(run.step_s[1:]),
+        statistics.median(run.unprofiled_step_s[1:]),
+    )
+    return {
+        "profile/prefill_ms": 1000 * run.step_s[0],
+        "profile/decode_ms": 1000 * decode,
+        "profile/overhead_ratio": decode / unprofiled_decode,
+        "profile/prefill_overhead_ratio": run.step_s[0] / run.unprofiled_step_s[0],
+        "profile/coverage_pct": _weighted(phases, "coverage_pct"),
+        "profile/layer_coverage_pct": _weighted(phases, "layer_coverage_pct"),
+        "profile/windows": len(run.windows),
+    }
+
+
+def write(
+    folder: Path, context: dict, phases: dict, depth: int | None, top_k: int | None
+) -> tuple[list[Path], str]:
+    """profile.json, the two CSV tables and tables.txt; returns the files and the printed tables."""
+    profile_json = folder / "profile.json"
+    profile_json.write_text(
+        json.dumps({"schema_version": output.SCHEMA_VERSION, "context": context, "phases": phases})
+    )
+    model_csv, summary_csv = folder / "model_stats.csv", folder / "summary_stats.csv"
+    output.write_csv(model_csv, phases, "model_stats")
+    output.write_csv(summary_csv, phases, "summary_stats")
+    printed = "\n\n".join(
+        tables.phase_table({"phases": phases}, phase, table, depth, top_k)
+        for table in ("summary", "model")
+        for phase in ("prefill", "decode")
+    )
+    tables_txt = folder / "tables.txt"
+    tables_txt.write_text(printed + "\n")
+    return [profile_json, model_csv, summary_csv, tables_txt], printed

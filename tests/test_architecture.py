@@ -1,0 +1,108 @@
+"""The layering ARCHITECTURE.md describes: every module imports only from layers below its own (or
+its own package), function-level imports included (type-only imports under TYPE_CHECKING are not
+imports at run time); and a captured graph's contract lives in its
+GraphRecord, not in loose attributes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+# Lowest first: a module may import from its own package and from any layer before its own.
+LAYERS = [
+    ["errors", "faults", "devices", "library"],
+    ["config"],
+    ["kernels"],
+    ["ops"],
+    ["attention"],
+    ["graphs"],
+    ["models"],
+    ["export"],
+    ["transforms"],
+    ["backends"],
+    ["runtime"],
+    ["profiler"],
+    ["tracking"],
+    ["state"],
+    ["correctness"],
+    ["report"],
+    ["sweep"],
+    ["stages"],
+    ["runner"],
+    ["__main__", "bench", "tools"],
+]
+LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+PACKAGE = REPO_ROOT / "pipeline"
+
+
+def _unit(module: str) -> str | None:
+    """pipeline.transforms.registry -> transforms; pipeline (the root: REPO_ROOT) -> None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 1 else None
+
+
+def _type_only(tree: ast.Module) -> set[ast.AST]:
+    """Nodes under `if TYPE_CHECKING:`: annotations only, no import at run time."""
+    return {
+        inner
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    skip = _type_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            if node.module == "pipeline":  # from pipeline import ops, correctness (not REPO_ROOT)
+                found += [(node.lineno, f"pipeline.{a.name}") for a in node.names if a.name in LEVEL]
+    return [(line, name) for line, name in found if name.startswith("pipeline")]
+
+
+def test_every_unit_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
+    units -= {"__init__", "__pycache__"}
+    assert units <= set(LEVEL), sorted(units - set(LEVEL))
+
+
+def test_no_module_imports_upward():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = _unit("pipeline." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+        if own is None or own == "__init__":
+            continue
+        for line, name in _imports(path):
+            other = _unit(name)
+            if other is None or other == own:
+                continue
+            if LEVEL[other] >= LEVEL[own]:
+                upward.append(f"{path.relative_to(REPO_ROOT)}:{line} ({own}) imports {name} ({other})")
+    assert not upward, "\n".join(upward)
+
+
+def test_graph_modules_carry_no_loose_pipeline_attributes():
+    """What stages pass through a graph (its cache layout, runtime inputs, prefix) is set on its
+    GraphRecord: no module assigns those names to a graph module."""
+    loose = ("cache_specs", "runtime_inputs", "language_model_prefix")
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in loose:
+                    base = target.value
+                    if not (
+                        isinstance(base, ast.Call) and getattr(base.func, "id", "") == "record_of"
+                    ) and not (isinstance(base, ast.Name) and base.id == "record"):
+                        offenders.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert not offenders, offenders

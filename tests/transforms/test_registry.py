@@ -1,0 +1,150 @@
+"""The registry on tiny models: the default list matches every layer and keeps outputs, each
+transform alone keeps outputs, scopes (one or a list) run in a defined order, failures are undone
+or reported, config mistakes are refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_MODELS, build_tiny, compose_cfg, transform_context
+from torch import fx, nn
+from transform_helpers import EXPECTED, assert_same, captured, run
+
+from pipeline.errors import ConfigError
+from pipeline.graphs import find_graphs
+from pipeline.transforms import registry
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_default_transforms_match_every_layer_and_keep_outputs(name):
+    model, calls, reference = captured(name)
+    params = sum(p.numel() for p in model.parameters())
+    history = run(model)
+    for transform, count in EXPECTED[name].items():
+        assert history.matches(transform) == count, (transform, history.table())
+    assert all(r.status == "applied" for r in history.records)
+    assert sum(p.numel() for p in model.parameters()) == params  # fusion moves weights, adds none
+    assert_same(model, calls, reference)
+    graph = find_graphs(model)[0][1]
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert "pipeline.rms_norm.default" in targets and "pipeline.add_rms_norm.default" in targets
+    assert "pipeline.silu_and_mul.default" in targets and "aten.silu.default" not in targets
+    assert "aten.scaled_dot_product_attention.default" not in targets
+    assert "pipeline.cached_attention.default" in targets and "pipeline.attention.default" not in targets
+    assert not any("_assert_tensor_metadata" in t for t in targets)
+
+
+@pytest.mark.parametrize(
+    "transform", ["cleanup", "match_attention", "match_rope", "match_rmsnorm", "fuse_gemms"]
+)
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout"])
+def test_each_transform_alone_keeps_outputs(name, transform):
+    model, calls, reference = captured(name)
+    others = [f"transforms.{t}.enabled=false" for t in EXPECTED[name] if t != transform]
+    if transform != "cleanup":
+        others.append("transforms.cleanup.enabled=false")
+    history = run(model, others)
+    assert [r.status for r in history.records if r.transform == transform] == ["applied"]
+    assert_same(model, calls, reference)
+
+
+def test_a_list_of_scopes_runs_the_subgraph_pass_then_the_model_pass():
+    """match_rmsnorm on [model, subgraph]: the graph's norms and the eager vision tower's, recorded
+    as two passes, the subgraph one first whatever the list's order."""
+    model, calls, reference = captured("tiny_mistral3")
+    history = run(model, ["transforms=none", "+transforms.match_rmsnorm={scope: [model, subgraph]}"])
+    passes = [(r.scope, r.target, r.matches) for r in history.records]
+    # The graph: 2 norms per layer and the final one; the eager parts: Pixtral's ln_pre, 2 per
+    # vision layer (1 layer), and the projector's norm.
+    assert passes == [("subgraph", "model.language_model", 5), ("model", "model", 4)]
+    graph = find_graphs(model)[0][1]
+    assert sum(n.target is torch.ops.pipeline.rms_norm.default for n in graph.graph.nodes) == 5
+    assert_same(model, calls, reference)
+
+
+def test_transformed_graph_stays_exportable():
+    """The rewritten graph exports again (canonical ops have fake kernels); the cached one takes
+    runtime inputs, so it is left out here."""
+    model, calls, _ = captured("tiny_magistral")
+    run(model, ["transforms.insert_cached_attention.enabled=false"])
+    ids = calls["text"]["input_ids"]
+    call = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)}
+    program = torch.export.export(model, (), call, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(**call).logits, model(**call).logits)
+
+
+class _Breaks(registry.Transform):
+    """Rewrites half the graph, then raises: the case skip_on_error must undo."""
+
+    name = "breaks_midway"
+
+    def apply_graph(self, gm: fx.GraphModule, ctx: registry.TransformContext) -> int:
+        gm.register_parameter("junk", nn.Parameter(torch.zeros(1)))
+        for node in list(gm.graph.nodes)[: len(gm.graph.nodes) // 2]:
+            if node.op == "call_function" and not node.users:
+                gm.graph.erase_node(node)
+        raise RuntimeError("pattern went wrong")
+
+
+def test_skip_on_error_leaves_the_graph_as_it_was(monkeypatch):
+    monkeypatch.setitem(registry.TRANSFORMS, "breaks_midway", _Breaks)
+    model, calls, reference = captured("tiny_mistral3")
+    graph = find_graphs(model)[0][1]
+    code = graph.code
+    history = run(model, ["transforms=none", "+transforms.breaks_midway={skip_on_error: true}"])
+    record = history.records[0]
+    assert record.status == "skipped" and "pattern went wrong" in record.reason
+    assert graph.code == code and not hasattr(graph, "junk")
+    assert_same(model, calls, reference)
+    with pytest.raises(registry.TransformFailed, match="pattern went wrong"):
+        run(model, ["transforms=none", "+transforms.breaks_midway={}"])
+
+
+def test_capture_none_has_no_subgraph_to_transform():
+    model, _, _ = build_tiny("tiny_mistral3")
+    history = run(model)
+    assert {r.status for r in history.records} == {"no target"}
+    assert "capture=none" in history.records[0].reason
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+transforms.fuse_everything={}", "transforms.fuse_everything is not a transform; known: cleanup"),
+        ("transforms.fuse_gemms.min_group=abc", "transforms.fuse_gemms"),
+        (
+            "transforms.match_attention.scope=model",
+            "match_attention cannot run on model; it runs on subgraph",
+        ),
+        ("transforms.match_attention.scope=[subgraph,model]", "cannot run on model"),
+        ("transforms.cleanup.scope=everything", "use one of subgraph, model or a list"),
+        ("transforms.cleanup.scope=[]", "transforms.cleanup.scope= is not a scope"),
+        ("+transforms.cleanup.colour=red", "transforms.cleanup"),
+        ("+transforms.insert_cached_attention.page_size=64", "transforms.insert_cached_attention"),
+    ],
+)
+def test_bad_transform_config_is_a_config_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        registry.parse(compose_cfg([override]).transforms)
+
+
+def test_switches_from_the_command_line():
+    assert registry.parse(compose_cfg(["transforms=none"]).transforms) == []
+    parsed = registry.parse(compose_cfg(["transforms.fuse_gemms.enabled=false"]).transforms)
+    assert [t.name for t in parsed] == [
+        "cleanup",
+        "match_attention",
+        "match_rope",
+        "match_rmsnorm",
+        "fuse_add_rmsnorm",
+        "fuse_gemms",
+        "fuse_silu_and_mul",
+        "onednn_linear",
+        "insert_cached_attention",
+    ]
+    assert not parsed[5].config.enabled
+    model, _, _ = captured("tiny_magistral")
+    history = registry.TransformHistory()
+    registry.run_transforms(model, parsed, transform_context(), history)
+    assert history.records[5].status == "disabled"

@@ -1,0 +1,78 @@
+"""What the transform tests share: tiny models with their language model captured, the eager
+reference on the same calls, and a run of the configured transforms."""
+
+from __future__ import annotations
+
+import torch
+from conftest import TINY_MODELS, compose_cfg, transform_context
+
+from pipeline.export import graph_capture
+from pipeline.graphs import find_language_models
+from pipeline.models import build, zoo
+from pipeline.models.inputs import make_example_inputs
+from pipeline.transforms import registry
+
+# Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer),
+# RMSNorms (2 per layer + final), residual adds fused into the norm after them (every norm but the
+# first layer's input norm), fused GEMM groups (q/k/v and gate/up per layer), gated activations
+# on a fused gate/up, and a cached attention per layer. Llama-4's second layer has no RoPE, its RoPE
+# layer adds a weightless QK-norm, its gate/up is the shared expert's (with the router's columns),
+# and its routed experts' gate/up (a chunked bmm) is a second gated activation per layer.
+TWO_LAYERS = dict(
+    match_attention=2,
+    match_rope=4,
+    match_rmsnorm=5,
+    fuse_add_rmsnorm=4,
+    fuse_gemms=4,
+    fuse_silu_and_mul=2,
+    insert_cached_attention=2,
+)
+EXPECTED = {name: TWO_LAYERS for name in TINY_MODELS} | {
+    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7, "fuse_silu_and_mul": 4}
+}
+
+
+def captured(name: str, attn_implementation: str | None = None):
+    """A tiny model with its language model (text models: the whole model) exported and swapped in,
+    the check calls, and the eager logits on them."""
+    cfg = compose_cfg([f"model={name}"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config),
+        hf_config,
+        torch.float32,
+        torch.device("cpu"),
+        0,
+        attn_implementation,
+    )
+    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), 0)
+    calls = {"text": examples.text} | ({"image": examples.image} if examples.image else {})
+    with torch.no_grad():
+        reference = {k: model(**c).logits for k, c in calls.items()}
+    call = examples.image or examples.text
+    paths = find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
+    model, _ = graph_capture.capture(model, paths, call)
+    return model, calls, reference
+
+
+def assert_same(model, calls, reference, tol=1e-5):
+    """Within tol of the largest logit (the wide tiny init makes logits of several units)."""
+    with torch.no_grad():
+        for key, call in calls.items():
+            scale = max(1.0, reference[key].abs().max().item())
+            torch.testing.assert_close(
+                model(**call).logits, reference[key], rtol=0, atol=tol * scale, msg=key
+            )
+
+
+def run(model, overrides=()) -> registry.TransformHistory:
+    """The configured transforms (conf/transforms/default.yaml with the overrides) on the model."""
+    transforms = registry.parse(compose_cfg(list(overrides)).transforms)
+    history = registry.TransformHistory()
+    registry.run_transforms(model, transforms, transform_context(), history)
+    return history
+
+
+def apply(name: str, gm) -> int:
+    """One transform's subgraph pass on a graph, with its default options."""
+    return registry.TRANSFORMS[name](registry.TransformConfig()).apply_graph(gm, transform_context())
