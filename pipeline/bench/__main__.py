@@ -22,7 +22,7 @@ import torch
 from pipeline import REPO_ROOT
 from pipeline.bench import decode, engine_work, pipeline_run, prefill
 from pipeline.bench.limits import read_bandwidth_gbs
-from pipeline.bench.prepare import advance, new_state, prepared
+from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.export import graph_capture
 
 LOAD_TARGET_S = 15.0
@@ -60,10 +60,8 @@ def bench_load(name: str, repeats: int, reference: bool) -> dict:
             start = time.perf_counter()
             advance(state, "load")
             ours.append(time.perf_counter() - start)
-            params, hf_config = state.model_info.params, state.hf_config
-            model_cls = type(state.model)
-            state.model = None
-        gc.collect()
+            params, hf_config, model_cls = state.model_info.params, state.hf_config, type(state.model)
+            release(state)
     row = {"params": params, "ours_s": statistics.median(ours), "ours_all_s": ours, "target_s": LOAD_TARGET_S}
     if reference:
         start = time.perf_counter()
@@ -79,22 +77,22 @@ def bench_export(name: str, repeats: int) -> dict:
     """torch.export of the language model (text models: the whole model) from the call the export
     stage uses, repeated on the same eager module (nothing is swapped in)."""
     with prepared([f"model={name}"], torch.float32, torch.device("cpu")) as state:
-        examples, info = state.example_inputs, state.model_info
-        call = examples.image or examples.text
+        info = state.model_info
         path = info.language_model_paths[0] if info.is_vlm else ""
-        recorded = (
-            graph_capture.record_calls(state.model, [path], call)[path]
-            if path
-            else graph_capture.RecordedCall(dict(call))
-        )
-        module = state.model.get_submodule(path) if path else state.model
-        batch, seq = call["input_ids"].shape
-        times = [
-            graph_capture.export_module(module, path, recorded, batch, seq).export_s for _ in range(repeats)
-        ]
-        state.model = None
-    gc.collect()
+        times = _export_s(state, path, repeats)
     return {"submodule": path or "root", "export_s": statistics.median(times), "export_all_s": times}
+
+
+def _export_s(state, path: str, repeats: int) -> list[float]:
+    call = state.example_inputs.image or state.example_inputs.text
+    recorded = (
+        graph_capture.record_calls(state.model, [path], call)[path]
+        if path
+        else graph_capture.RecordedCall(dict(call))
+    )
+    module = state.model.get_submodule(path) if path else state.model
+    batch, seq = call["input_ids"].shape
+    return [graph_capture.export_module(module, path, recorded, batch, seq).export_s for _ in range(repeats)]
 
 
 CPU_BACKENDS = ["torch-simple", "torch-compile"]

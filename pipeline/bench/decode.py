@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import statistics
 import time
 
@@ -47,22 +46,8 @@ def bench_decode(
 ) -> dict:
     """bandwidth: the read bandwidth measured at the start of the run, before any model was loaded."""
     with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
-        model, hf_config = state.model, state.hf_config
-        text_config = zoo.text_config_of(hf_config)
         weight_bytes = state.model_info.decode_bytes
-        generator = torch.Generator().manual_seed(0)
-        prompts = {
-            b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(hf_config), generator)
-            for b in batches
-        }
-        hf = {b: _hf_times(model, prompts[b], steps, repeats)[0] for b in batches}
-        gemv = gemv_read_gbs(model.get_output_embeddings().weight.detach())  # the largest weight: lm_head
-        # HF's rows ran first: the transforms rewrite the eager lm_head of this same model.
-        engine = engine_of(advance(state, "export", "transforms"))
-        ours = {b: _demollm_step_s(engine, prompts[b], steps, repeats)[0] for b in batches}
-        del model, engine
-        state.model = None
-    gc.collect()
+        hf, ours, gemv = _decode_step_s(state, batches, prompt_len, steps, repeats)
     rows = []
     for b in batches:
         rows.append(
@@ -85,6 +70,22 @@ def bench_decode(
         "gemv_read_gbs": gemv,
         "rows": rows,
     }
+
+
+def _decode_step_s(state, batches: list[int], prompt_len: int, steps: int, repeats: int):
+    """({batch: HF eager step s}, {batch: demollm step s}, lm_head GEMV GB/s) on the prepared model."""
+    text_config = zoo.text_config_of(state.hf_config)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {
+        b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
+        for b in batches
+    }
+    hf = {b: _hf_times(state.model, prompts[b], steps, repeats)[0] for b in batches}
+    gemv = gemv_read_gbs(state.model.get_output_embeddings().weight.detach())  # the largest weight: lm_head
+    # HF's rows ran first: the transforms rewrite the eager lm_head of this same model.
+    engine = engine_of(advance(state, "export", "transforms"))
+    ours = {b: _demollm_step_s(engine, prompts[b], steps, repeats)[0] for b in batches}
+    return hf, ours, gemv
 
 
 def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
@@ -169,34 +170,9 @@ def bench_backends(
     them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
     is a row with its error, not a lost table."""
     with prepared([f"model={name}"], dtype, device) as state:
-        # HF's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the HF
-        # rows must run Hugging Face's model as it is.
-        hf_model = copy.deepcopy(state.model)
-        engine = engine_of(advance(state, "export", "transforms"))
-        text_config = zoo.text_config_of(state.hf_config)
-        generator = torch.Generator().manual_seed(0)
-        prompts = random_ids(
-            (batch, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator
+        rows = take_turns(
+            _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels), repeats
         )
-        prompts = prompts.to(device)
-        demollm = _DemollmSampler(engine, find_graphs(state.model), state.cfg.runtime, prompts, steps)
-        hf_compiled = _HFCompiled(hf_model, device)
-        lookahead = state.cfg.runtime.lookahead
-        runners = {
-            "HF eager generate": lambda: _hf_sample(hf_model, prompts, steps),
-            "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
-            **{f"demollm {b}": (lambda b=b: demollm.sample(b, lookahead)) for b in backends},
-            # The same backend with every step's tokens read before the next is launched: what the
-            # host running ahead is worth.
-            **{f"demollm {b}, lookahead 0": (lambda b=b: demollm.sample(b, 0)) for b in stepped},
-            # The same backend with the aten chains the Triton kernels replace: what the kernels are worth.
-            **{
-                f"demollm {b}, aten ops": (lambda b=b: demollm.sample(b, lookahead, kernels=False))
-                for b in without_kernels
-            },
-        }
-        rows = take_turns(runners, repeats)
-        state.model = None
     eager = rows[0].get("decode_ms")
     for row in rows:
         if eager and "decode_ms" in row:
@@ -210,6 +186,36 @@ def bench_backends(
         "device": str(device),
         "dtype": dtype_name(dtype),
         "rows": rows,
+    }
+
+
+def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels) -> dict:
+    """name -> a sample (decode s, prefill s): HF eager and HF's compile recipe on a copy of the
+    eager model, demollm per backend on the prepared one."""
+    device = state.device
+    # HF's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the HF
+    # rows must run Hugging Face's model as it is.
+    hf_model = copy.deepcopy(state.model)
+    engine = engine_of(advance(state, "export", "transforms"))
+    text_config = zoo.text_config_of(state.hf_config)
+    generator = torch.Generator().manual_seed(0)
+    prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
+    prompts = prompts.to(device)
+    demollm = _DemollmSampler(engine, find_graphs(state.model), state.cfg.runtime, prompts, steps)
+    hf_compiled = _HFCompiled(hf_model, device)
+    lookahead = state.cfg.runtime.lookahead
+    return {
+        "HF eager generate": lambda: _hf_sample(hf_model, prompts, steps),
+        "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
+        **{f"demollm {b}": (lambda b=b: demollm.sample(b, lookahead)) for b in backends},
+        # The same backend with every step's tokens read before the next is launched: what the
+        # host running ahead is worth.
+        **{f"demollm {b}, lookahead 0": (lambda b=b: demollm.sample(b, 0)) for b in stepped},
+        # The same backend with the aten chains the Triton kernels replace: what the kernels are worth.
+        **{
+            f"demollm {b}, aten ops": (lambda b=b: demollm.sample(b, lookahead, kernels=False))
+            for b in without_kernels
+        },
     }
 
 

@@ -32,7 +32,6 @@ def bench_prefill(name: str, token_counts: list[int], repeats: int) -> dict:
     cpu = torch.device("cpu")
     with prepared([f"model={name}"], torch.float32, cpu, ("load", "export", "transforms")) as state:
         rows = _rows(state, token_counts, repeats)
-        state.model = None
     return {"model": name, "rows": rows}
 
 

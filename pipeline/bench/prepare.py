@@ -15,6 +15,7 @@ from hydra import initialize_config_dir
 
 from pipeline import REPO_ROOT
 from pipeline.config import PipelineConfig, register_schemas, resolve_attention, resolve_backend, typed
+from pipeline.devices import free_memory
 from pipeline.models import zoo
 from pipeline.runtime.engine import DemoLLM
 from pipeline.stages import export, load, transforms
@@ -55,9 +56,21 @@ def advance(state: RunState, *stages: str) -> RunState:
 def prepared(
     overrides: list[str], dtype: torch.dtype, device: torch.device, stages: tuple[str, ...] = ("load",)
 ) -> Iterator[RunState]:
-    """A RunState after `stages`; its run folder (the stages' files) is removed afterwards."""
+    """A RunState after `stages`. Afterwards its run folder (the stages' files) is removed and the
+    state lets go of everything that holds weights, so the next model the bench loads has the memory
+    (the captured graphs, the reference and the engine hold the model's tensors too)."""
     with tempfile.TemporaryDirectory() as tmp:
-        yield advance(new_state(overrides, dtype, device, Path(tmp)), *stages)
+        state = new_state(overrides, dtype, device, Path(tmp))
+        try:
+            yield advance(state, *stages)
+        finally:
+            release(state)
+
+
+def release(state: RunState) -> None:
+    state.model = state.engine = state.generation = state.reference = state.example_inputs = None
+    state.captured, state.check_calls = [], {}
+    free_memory()
 
 
 def engine_of(state: RunState) -> DemoLLM:
