@@ -85,22 +85,32 @@ class CheckedConfig:
 
 def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     """Every check that needs no weights, in order, or a ConfigError that names the key and the fix.
-    The last ones run on the model built on the meta device (no memory)."""
-    from pipeline.models import meta, zoo
-    from pipeline.models.tokenizer import has_tokenizer
-    from pipeline.runtime.requests import check_images, check_queries, check_workload
+    The model folder, its tokenizer and image processor are read; the last checks run on the model
+    built on the meta device (no memory)."""
+    from pipeline.models import checkpoint, meta, zoo
+    from pipeline.models.images import checkpoint_image_processor
+    from pipeline.models.tokenizer import chat_template_of, has_tokenizer, load_tokenizer
+    from pipeline.runtime import queries
+    from pipeline.runtime.requests import Sources, check_images, check_workload
     from pipeline.transforms import registry
 
     config = typed(cfg)
     validate(config, cuda_available)
     registry.parse(config.transforms)
-    check_queries(config.prompt.queries, has_tokenizer(config.model.checkpoint))
-    hf_config = zoo.build_hf_config(config.model)
+    model_cfg = config.model
+    if model_cfg.checkpoint:
+        checkpoint.check_folder(model_cfg.checkpoint, need_weights=model_cfg.skip_loading_weights is not True)
+    parsed = queries.parse(config.prompt.queries)
+    hf_config = zoo.build_hf_config(model_cfg)
+    folder = model_cfg.checkpoint
+    queries.check(parsed, has_tokenizer(folder), chat_template_of(folder) is not None, zoo.is_vlm(hf_config))
     check_images(config.prompt.images, hf_config)
-    check_workload(config, hf_config)
-    model_cls = zoo.resolve_model_class(config.model, hf_config)
+    check_workload(config, hf_config, Sources(load_tokenizer(folder), checkpoint_image_processor(folder)))
+    model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)
     meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)
+    if config.capture.mode == "partial" and not config.capture.submodules and zoo.is_vlm(hf_config):
+        meta.check_language_model(skeleton, zoo.text_config_of(hf_config))
     return CheckedConfig(config, hf_config, model_cls, meta.parameter_count(skeleton))
 
 

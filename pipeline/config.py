@@ -28,13 +28,15 @@ from pipeline.errors import ConfigError
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    hf_id: str = MISSING
-    architecture: str = MISSING  # the HF class the factory must produce
-    model_factory: str = MISSING  # see pipeline.models.zoo.MODEL_FACTORIES
+    hf_id: str | None = None  # the hub id the values come from (nothing is downloaded)
+    architecture: str | None = None  # the HF class; None: the checkpoint's config.json `architectures`
+    model_factory: str = "auto"  # see pipeline.models.zoo.MODEL_FACTORIES
     hf_config: dict[str, Any] = field(default_factory=dict)  # published config.json values
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # deep-merged over hf_config
-    skip_loading_weights: bool = True  # random, seeded weights
-    checkpoint: str | None = None  # local HF folder with config.json + *.safetensors
+    checkpoint: str | None = None  # local HF folder: config.json, *.safetensors, tokenizer, templates
+    # None: the checkpoint's weights when there is one, else random; true: random weights from the
+    # checkpoint's config; false: weights required
+    skip_loading_weights: bool | None = None
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # HF attention path: sdpa (HF's default) | eager
 
@@ -282,6 +284,13 @@ def check_runtime(rt: RuntimeConfig) -> None:
             f"runtime.max_seq_len={rt.max_seq_len} is not a multiple of runtime.attn_page_size={rt.attn_page_size}; "
             "make it one"
         )
+    if rt.max_num_tokens < rt.max_batch_size:
+        # A decode step of max_batch_size sequences takes one token each; the budget is the user's,
+        # never raised silently (the seed's discussion): a larger one means more activation memory.
+        raise ConfigError(
+            f"runtime.max_num_tokens={rt.max_num_tokens} is less than runtime.max_batch_size={rt.max_batch_size}, "
+            "so a full decode step would not fit it; raise runtime.max_num_tokens or lower runtime.max_batch_size"
+        )
     if rt.kv_cache_mb is not None:
         _positive("runtime.kv_cache_mb", rt.kv_cache_mb)
     if not 0 <= rt.lookahead <= MAX_LOOKAHEAD:
@@ -329,25 +338,18 @@ def check_prompt(prompt: PromptConfig, rt: RuntimeConfig) -> None:
             f"prompt.prompt_len + prompt.output_len = {prompt.prompt_len + prompt.output_len} exceeds "
             f"runtime.max_seq_len={rt.max_seq_len}; shorten them or raise runtime.max_seq_len"
         )
-    if prompt.batch_size > rt.max_batch_size:
-        raise ConfigError(
-            f"prompt.batch_size={prompt.batch_size} exceeds runtime.max_batch_size={rt.max_batch_size}; "
-            "raise runtime.max_batch_size"
-        )
-    prefill_tokens = prompt.batch_size * prompt.prompt_len
-    if prefill_tokens > rt.max_num_tokens:
-        # Never raised silently: a larger token budget means more memory (the seed's discussion).
-        raise ConfigError(
-            f"prompt.batch_size * prompt.prompt_len = {prefill_tokens} exceeds runtime.max_num_tokens="
-            f"{rt.max_num_tokens}, so prefill would not fit one step; set runtime.max_num_tokens>={prefill_tokens}"
-        )
 
 
 def check_model(model: ModelConfig) -> None:
-    if model.checkpoint is None and not model.skip_loading_weights:
+    if model.checkpoint is None and model.skip_loading_weights is False:
         raise ConfigError(
             "model.skip_loading_weights=false needs weights: set model.checkpoint=/local/hf/folder "
             "or model.skip_loading_weights=true"
+        )
+    if model.checkpoint is None and not model.hf_config:
+        raise ConfigError(
+            f"model={model.name} has no hf_config and no checkpoint: set model.checkpoint=/path/to/hf/folder "
+            "(model=hf reads config.json from it)"
         )
 
 

@@ -80,15 +80,38 @@ def cached_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
     return [(name, gm) for name, gm in find_graphs(model) if record_of(gm).has_cache]
 
 
+def _decoder_stack(module: nn.Module, text_config) -> bool:
+    """A `layers` ModuleList of the text config's depth beside an input embedding of its vocabulary."""
+    layers, embedding = getattr(module, "layers", None), getattr(module, "embed_tokens", None)
+    return (
+        isinstance(layers, nn.ModuleList)
+        and len(layers) == text_config.num_hidden_layers
+        and isinstance(embedding, nn.Embedding)
+        and embedding.num_embeddings == text_config.vocab_size
+    )
+
+
 def find_language_models(model: nn.Module, text_config) -> list[str]:
-    """The decoder stack of a VLM: the outermost module whose config is the text config and that
-    holds the decoder `layers` (Llama-4's `language_model` is the CausalLM around it)."""
+    """The decoder stack of a model, found by structure: the outermost modules holding the text
+    config's `layers` and its token embedding (Llama-4's `language_model` is the CausalLM around
+    its stack `language_model.model`). By structure, not by config identity: `from_pretrained`
+    gives each submodule its own copy of the config."""
     found: list[str] = []
     for path, module in model.named_modules():
-        if getattr(module, "config", None) is text_config and hasattr(module, "layers"):
-            if not any(path.startswith(outer + ".") for outer in found):
-                found.append(path)
+        if _decoder_stack(module, text_config) and not any(path.startswith(outer + ".") for outer in found):
+            found.append(path)
     return found
+
+
+def stack_candidates(model: nn.Module) -> list[str]:
+    """Every module that holds a `layers` ModuleList, as `path (Class, N layers)`: what a message
+    lists when the language model is not found, or not found once."""
+    return [
+        f"{path or '(root)'} ({type(module).__name__}, {len(module.layers)} layers"
+        f"{', token embedding' if isinstance(getattr(module, 'embed_tokens', None), nn.Embedding) else ''})"
+        for path, module in model.named_modules()
+        if isinstance(getattr(module, "layers", None), nn.ModuleList)
+    ]
 
 
 def first_tensor(call: dict[str, Any]) -> torch.Tensor:

@@ -14,10 +14,11 @@ from pipeline.models.inputs import ExampleInputs
 from pipeline.transforms.registry import TransformHistory
 
 if TYPE_CHECKING:  # the modules that fill these fields import this one
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig
 
     from pipeline.correctness import Reference
     from pipeline.runtime.engine import DemoLLM, Generation
+    from pipeline.runtime.requests import Sources
 
 
 @dataclass
@@ -86,7 +87,7 @@ class RunState:
     captured: list[CapturedGraph] = field(default_factory=list)
     checks: list[CorrectnessCheck] = field(default_factory=list)
     transform_history: TransformHistory | None = None
-    tokenizer: PreTrainedTokenizerBase | None = None  # from a local checkpoint folder, when it has one
+    sources: Sources | None = None  # tokenizer and image processor (a checkpoint's, when it has them)
     engine: DemoLLM | None = None  # built by generate, reused by profile
     generation: Generation | None = None  # of the last generate run
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order

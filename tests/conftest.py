@@ -98,6 +98,15 @@ def run_pipeline(
     )
 
 
+def generated_tokens(run_dir: Path) -> dict[int, list[int]]:
+    """seq_id -> the tokens a run generated (tokens.json without its timings)."""
+    import json
+
+    return {
+        e["seq_id"]: e["tokens"] for e in json.loads((run_dir / "generation" / "tokens.json").read_text())
+    }
+
+
 def mlflow_runs(uri: str, experiment: str = "pipeline"):
     from mlflow.tracking import MlflowClient
 

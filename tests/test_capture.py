@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, generated_tokens
 from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
@@ -164,7 +164,6 @@ def test_cuda_graph_replays_keep_tokens_as_batches_shrink():
 @pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
 def test_cuda_backends_keep_tokens(backend, tmp_path):
     """End to end on a GPU: greedy tokens equal to torch-simple's, with CUDA graph replays."""
-    import json
 
     from conftest import mlflow_runs, run_pipeline
 
@@ -180,10 +179,7 @@ def test_cuda_backends_keep_tokens(backend, tmp_path):
     for name, extra in (("simple", "backend=torch-simple"), ("graphs", f"backend={backend}")):
         proc = run_pipeline([*common, extra], tmp_path / name)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens = [
-        json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text())
-        for d in ("simple", "graphs")
-    ]
+    tokens = [generated_tokens(tmp_path / d / "run") for d in ("simple", "graphs")]
     assert tokens[0] == tokens[1]
     _, runs = mlflow_runs(uri)
     graphs = next(r for r in runs if r.data.tags["backend"] == backend)

@@ -30,6 +30,10 @@ def test_every_option_composes_and_validates(group):
         needs_cuda = option in CUDA_ONLY_BACKENDS + CUDA_ONLY_ATTENTION
         if option == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             continue  # validated only where the package is installed (test below)
+        if option == "hf":  # reads its config from a folder: tests/test_checkpoints.py
+            with pytest.raises(ConfigError, match="set model.checkpoint"):
+                validate(cfg, cuda_available=False)
+            continue
         validate(cfg, cuda_available=needs_cuda)
         if group == "model":
             hf_config = zoo.build_hf_config(cfg.model)
@@ -84,7 +88,10 @@ BAD_OVERRIDES = {
     "device cuda on cpu": (["device=cuda"], "device=cuda"),
     "prompt too long": (["prompt.prompt_len=5000"], "runtime.max_input_len"),
     "seq too long": (["prompt.prompt_len=4096", "prompt.output_len=4097"], "runtime.max_seq_len"),
-    "token budget": (["prompt.batch_size=8", "prompt.prompt_len=2048"], "runtime.max_num_tokens>=16384"),
+    "token budget": (
+        ["runtime.max_num_tokens=4"],
+        "runtime.max_num_tokens=4 is less than runtime.max_batch_size=8",
+    ),
     "page multiple": (["runtime.attn_page_size=48"], "not a multiple of runtime.attn_page_size"),
     "world size": (["runtime.world_size=2"], "runtime.world_size=2"),
     "unknown dtype": (["dtype=float64"], "dtype=float64"),
@@ -136,7 +143,11 @@ CLI_CASES = {
     ),
     "unknown backend option": (["backend=tensorrt"], "backend/tensorrt", "torch-compile"),
     "cuda backend": (["backend=torch-cudagraph"], "backend=torch-cudagraph", "backend=auto"),
-    "token budget": (["prompt.batch_size=8", "prompt.prompt_len=2048"], "16384", "runtime.max_num_tokens"),
+    "token budget": (
+        ["runtime.max_num_tokens=4"],
+        "runtime.max_num_tokens=4",
+        "raise runtime.max_num_tokens",
+    ),
     "page multiple": (["runtime.max_seq_len=8100"], "runtime.max_seq_len=8100", "attn_page_size"),
     "world size": (["runtime.world_size=4"], "runtime.world_size=4", "runtime.world_size=0"),
 }

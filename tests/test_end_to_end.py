@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import mlflow_runs, run_pipeline
+from conftest import generated_tokens, mlflow_runs, run_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -119,9 +119,7 @@ def test_benchmark_mode_and_capture_none_agree(tmp_path, tracking_uri):
     _, runs = mlflow_runs(tracking_uri)
     bench = next(r for r in runs if r.data.tags["capture"] == "partial")
     assert bench.data.metrics["latency/decode_ms_min"] <= bench.data.metrics["latency/decode_ms_max"]
-    tokens = [
-        json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text()) for d in ("a", "b")
-    ]
+    tokens = [generated_tokens(tmp_path / d / "run") for d in ("a", "b")]
     assert tokens[0] == tokens[1]
 
 
@@ -151,10 +149,7 @@ def test_torch_compile_run_and_capture_fallback(tmp_path, tracking_uri):
     )
     assert by_dir["fallback"].info.status == "FINISHED"
     assert by_dir["fallback"].data.tags["capture_fallback"] == "true"
-    tokens = [
-        json.loads((tmp_path / d / "run" / "generation" / "tokens.json").read_text())
-        for d in ("compiled", "fallback")
-    ]
+    tokens = [generated_tokens(tmp_path / d / "run") for d in ("compiled", "fallback")]
     assert tokens[0] == tokens[1]
 
 

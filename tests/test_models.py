@@ -135,26 +135,6 @@ def test_bfloat16_materializes_in_bfloat16_and_keeps_rotary_tables_float32():
     assert report.bytes == report.params * 2
 
 
-def test_checkpoint_loads_local_safetensors(tmp_path):
-    model, hf_config, examples = build_tiny("tiny_llama3_1_8b", seed=3)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    assert list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.bin"))
-    cfg = compose_cfg(["model=tiny_llama3_1_8b", f"model.checkpoint={tmp_path}"])
-    loaded_config = zoo.build_hf_config(cfg.model)
-    loaded, report = build.load_checkpoint(
-        zoo.resolve_model_class(cfg.model, loaded_config),
-        str(tmp_path),
-        loaded_config,
-        torch.float32,
-        torch.device("cpu"),
-        trust_remote_code=False,
-    )
-    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    with torch.no_grad():
-        assert torch.equal(model(**examples.text).logits, loaded(**examples.text).logits)
-
-
 def test_a_model_that_does_not_fit_is_refused_before_loading(monkeypatch):
     from pipeline.errors import ConfigError
     from pipeline.models import memory, meta

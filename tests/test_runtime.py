@@ -13,9 +13,11 @@ from pipeline.graphs import find_language_models, record_of
 from pipeline.models import zoo
 from pipeline.models.images import synthetic_image
 from pipeline.models.zoo import eos_ids
-from pipeline.runtime.engine import DemoLLM, EagerRunner, PagedRunner
+from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request, image_part
+from pipeline.runtime.runners import EagerRunner, PagedRunner
 from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.scheduler import Chunk
 from pipeline.transforms import registry
 
 PAGE = 8  # smaller than the prompts, so sequences span several pages
@@ -33,7 +35,7 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
                 image = synthetic_image(56, generator)
             tokens, pixels = image_part(hf_config, image, torch.float32, torch.device("cpu"))
             ids = ids[:2] + tokens + ids[2:]
-        requests.append(Request(i, ids, pixels))
+        requests.append(Request(i, ids, pixels, image_span=(2, 2 + len(tokens)) if pixels else None))
     return requests
 
 
@@ -55,11 +57,19 @@ def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[in
     out = {}
     for r in requests:
         with torch.no_grad():
-            ids = model.generate(
-                input_ids=torch.tensor([r.prompt]), **r.images, max_new_tokens=new_tokens, do_sample=False
-            )
+            ids = model.generate(**hf_inputs(model.config, r), max_new_tokens=new_tokens, do_sample=False)
         out[r.seq_id] = ids[0, len(r.prompt) :].tolist()
     return out
+
+
+def hf_inputs(hf_config, request: Request) -> dict:
+    """A request as Hugging Face's processor would hand it to generate: ids, pixels, and (Qwen2.5-VL)
+    the image tokens marked in mm_token_type_ids, from which HF computes the grid positions."""
+    ids = torch.tensor([request.prompt])
+    inputs = {"input_ids": ids, **request.images}
+    if "image_grid_thw" in request.images:
+        inputs["mm_token_type_ids"] = (ids == hf_config.image_token_id).int()
+    return inputs
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -96,7 +106,7 @@ def test_cached_keys_equal_eager_keys():
     engine, hf_config = _engine("tiny_llama3_1_8b")
     requests = _requests(hf_config, [11, 19], images=False)
     runner = engine.runner
-    logits = runner.prefill(requests)
+    logits = runner.prefill([Chunk(r, 0, len(r.prompt)) for r in requests])
     tokens = [requests[i].prompt + [int(logits[i].argmax())] for i in range(2)]
     for _ in range(3):
         logits = runner.decode(requests, torch.tensor([t[-1] for t in tokens]))

@@ -1,4 +1,5 @@
-"""Build a Hugging Face model fast: parameters on the meta device, then filled directly.
+"""Build a Hugging Face model fast with random weights: parameters on the meta device, then filled
+directly (checkpoints load in checkpoint.py).
 
 Hugging Face's own random init runs every module's initializer on real memory (about 50 s for the
 default mistral3 configuration here). Building with parameters on meta skips that; buffers stay
@@ -156,32 +157,3 @@ def build_random(
     report = materialize_random(model, dtype, device, seed, std)
     model.eval()
     return model, report
-
-
-def load_checkpoint(
-    model_cls: type,
-    path: str,
-    hf_config,
-    dtype: torch.dtype,
-    device: torch.device,
-    trust_remote_code: bool,
-    attn_implementation: str | None = None,
-):
-    """Real weights from a local folder: safetensors only (never pickle), no network."""
-    start = time.perf_counter()
-    model = model_cls.from_pretrained(
-        path,
-        config=hf_config,
-        dtype=dtype,
-        local_files_only=True,
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    ).to(device)
-    model.eval()
-    unique = {id(p): p for p in model.parameters()}.values()
-    return model, InitReport(
-        params=sum(p.numel() for p in unique),
-        bytes=sum(p.numel() * p.element_size() for p in unique),
-        seconds=time.perf_counter() - start,
-    )

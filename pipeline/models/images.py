@@ -1,19 +1,26 @@
 """Images for VLMs: PIL images (local files, or seeded synthetic noise) through each family's
-preprocessing into the model's pixel layout, with the number of image placeholder tokens it implies.
+preprocessing into the model's pixel layout, with the image tokens the family's processor puts in
+a prompt for each.
 
-- mistral3: transformers' PixtralImageProcessor (built offline from its defaults, sized by the
-  vision config): [N, 3, H, W] resized to multiples of patch * merge, plus image_sizes;
-  one token per (patch * merge)^2 pixels.
-- qwen2_5_vl: Qwen2VLImageProcessor: flattened patches [sum h*w, C*T*P*P] and image_grid_thw;
-  h * w / merge^2 tokens, between the vision start and end tokens.
+The image processor is the checkpoint's own (its preprocessor_config.json) when there is one, else
+built from the vision config's sizes. The processors themselves (Pixtral's, Qwen2.5-VL's with its
+video half, Llama-4's) need torchvision, which does not install beside the CPU torch, so their
+token rules are written here, each checked against the model's own image-token count:
+- mistral3: PixtralImageProcessor (the PIL flavour): [N, 3, H, W] resized to multiples of
+  patch * merge, plus image_sizes; per image (H / step) rows of (W / step) `[IMG]` tokens, each
+  row ended by `[IMG_BREAK]` and the last by `[IMG_END]` (PixtralProcessor's layout).
+- qwen2_5_vl: Qwen2VLImageProcessor (PIL): flattened patches [sum h*w, C*T*P*P] and image_grid_thw;
+  `<|image_pad|>` repeated h * w / merge^2 times, between the vision start and end tokens.
 - llama4: one tile of the vision tower's size, rescaled and normalized with Llama-4's defaults
-  (mean = std = 0.5), done here: its image processor needs torchvision, which does not install
-  beside the CPU torch. (S / patch)^2 * pixel_shuffle_ratio^2 tokens, between BOI and EOI.
+  (mean = std = 0.5), done here: its image processor is torchvision-only.
+  `<|image_start|><|image|>` + (S / patch)^2 * pixel_shuffle_ratio^2 `<|patch|>` + `<|image_end|>`
+  (Llama4Processor's single-tile layout).
 Nothing is fetched: a URL is refused.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +38,16 @@ class ImageBatch:
     tokens_per_image: list[int]
     prefix: list[int]  # token ids the family puts right before each image's tokens
     suffix: list[int]
+    grids: list[tuple[int, int]]  # per image, the (rows, columns) of its image tokens
 
     def placeholder(self, image_token: int, index: int) -> list[int]:
         return self.prefix + [image_token] * self.tokens_per_image[index] + self.suffix
 
 
 def load_image(source: str) -> Image.Image:
-    if "://" in source:
+    if "://" in source and not source.startswith("file://"):
         raise ConfigError(f"image {source} is a URL; nothing can be fetched offline: use a local file")
-    path = Path(source)
+    path = Path(source.removeprefix("file://"))
     if not path.is_file():
         raise ConfigError(f"image {source} does not exist")
     return Image.open(path).convert("RGB")
@@ -54,27 +62,39 @@ def _processor_class(name: str) -> type:
     """The PIL flavour where this transformers has one: the default asks for torchvision."""
     import transformers
 
+    name = name.removesuffix("Pil")
     return getattr(transformers, f"{name}Pil", None) or getattr(transformers, name)
 
 
-def _mistral3(config, images: list[Image.Image]) -> ImageBatch:
-    processor_cls = _processor_class("PixtralImageProcessor")
+def checkpoint_image_processor(checkpoint: str | None):
+    """The image processor a model folder saved (preprocessor_config.json), or None."""
+    path = Path(checkpoint or "") / "preprocessor_config.json"
+    if not checkpoint or not path.is_file():
+        return None
+    name = json.loads(path.read_text()).get("image_processor_type")
+    if not name:
+        return None
+    return _processor_class(name).from_pretrained(checkpoint, local_files_only=True)
+
+
+def _mistral3(config, images: list[Image.Image], processor) -> ImageBatch:
     vision = config.vision_config
     step = vision.patch_size * config.spatial_merge_size
-    processor = processor_cls(
+    processor = processor or _processor_class("PixtralImageProcessor")(
         size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
     )
     out = processor(images=images, return_tensors="pt")
     sizes = out["image_sizes"]  # [N, 2] = (H, W) of each image inside the padded batch
-    tokens = [int(h // step) * int(w // step) for h, w in sizes.tolist()]
-    return ImageBatch({"pixel_values": out["pixel_values"], "image_sizes": sizes}, tokens, [], [])
+    grids = [(int(h // step), int(w // step)) for h, w in sizes.tolist()]
+    return ImageBatch(
+        {"pixel_values": out["pixel_values"], "image_sizes": sizes}, [h * w for h, w in grids], [], [], grids
+    )
 
 
-def _qwen2_5_vl(config, images: list[Image.Image]) -> ImageBatch:
-    processor_cls = _processor_class("Qwen2VLImageProcessor")
+def _qwen2_5_vl(config, images: list[Image.Image], processor) -> ImageBatch:
     vision = config.vision_config
     step = vision.patch_size * vision.spatial_merge_size
-    processor = processor_cls(
+    processor = processor or _processor_class("Qwen2VLImageProcessor")(
         patch_size=vision.patch_size,
         merge_size=vision.spatial_merge_size,
         temporal_patch_size=vision.temporal_patch_size,
@@ -83,23 +103,29 @@ def _qwen2_5_vl(config, images: list[Image.Image]) -> ImageBatch:
     )
     out = processor(images=images, return_tensors="pt")
     grid = out["image_grid_thw"]  # [N, 3] = (t, h, w) in patches
-    tokens = [int(t * h * w) // vision.spatial_merge_size**2 for t, h, w in grid.tolist()]
+    merge = vision.spatial_merge_size
+    grids = [(int(t * h) // merge, int(w) // merge) for t, h, w in grid.tolist()]
     return ImageBatch(
         {"pixel_values": out["pixel_values"], "image_grid_thw": grid},
-        tokens,
+        [h * w for h, w in grids],
         [config.vision_start_token_id],
         [config.vision_end_token_id],
+        grids,
     )
 
 
-def _llama4(config, images: list[Image.Image]) -> ImageBatch:
+def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
     vision = config.vision_config
     size = vision.image_size
     tiles = [np.asarray(img.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0 for img in images]
     pixels = (torch.from_numpy(np.stack(tiles)).permute(0, 3, 1, 2) - 0.5) / 0.5  # [N, 3, S, S]
-    tokens = int((size // vision.patch_size) ** 2 * vision.pixel_shuffle_ratio**2)
+    side = int(size // vision.patch_size * vision.pixel_shuffle_ratio)
     return ImageBatch(
-        {"pixel_values": pixels}, [tokens] * len(images), [config.boi_token_index], [config.eoi_token_index]
+        {"pixel_values": pixels},
+        [side * side] * len(images),
+        [config.boi_token_index],
+        [config.eoi_token_index],
+        [(side, side)] * len(images),
     )
 
 
@@ -122,17 +148,44 @@ def image_token_id(config) -> int:
     return getattr(config, "image_token_index", None) or config.image_token_id
 
 
-def preprocess(config, images: list[Image.Image], dtype: torch.dtype, device: torch.device) -> ImageBatch:
+def preprocess(
+    config, images: list[Image.Image], dtype: torch.dtype, device: torch.device, processor=None
+) -> ImageBatch:
+    """processor: the checkpoint's image processor (checkpoint_image_processor), else the family's
+    built from the vision config."""
     family = PREPROCESS.get(config.model_type)
     if family is None:
         raise ConfigError(
             f"model_type={config.model_type} has no image preprocessing; known: {', '.join(PREPROCESS)}"
         )
-    batch = family(config, images)
+    batch = family(config, images, processor)
     batch.kwargs = {
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.kwargs.items()
     }
     return batch
+
+
+# The token a chat template writes for an image, which the family's processor expands.
+TEMPLATE_IMAGE_TOKEN = {"mistral3": "[IMG]", "qwen2_5_vl": "<|image_pad|>", "llama4": "<|image|>"}
+
+
+def chat_placeholder(config, tokenizer) -> int:
+    """The id of the token the chat template puts where an image goes."""
+    return tokenizer.convert_tokens_to_ids(TEMPLATE_IMAGE_TOKEN[config.model_type])
+
+
+def expand(config, tokenizer, batch: ImageBatch, index: int) -> list[int]:
+    """What the family's processor puts in place of the chat template's image token for image `index`."""
+    ids = tokenizer.convert_tokens_to_ids
+    image = image_token_id(config)
+    rows, columns = batch.grids[index]
+    if config.model_type == "mistral3":
+        tokens = [t for _ in range(rows) for t in [image] * columns + [ids("[IMG_BREAK]")]]
+        tokens[-1] = ids("[IMG_END]")
+        return tokens
+    if config.model_type == "qwen2_5_vl":  # the template writes the vision start and end around it
+        return [image] * (rows * columns)
+    return [ids("<|image_start|>"), ids("<|image|>"), *[image] * (rows * columns), ids("<|image_end|>")]
 
 
 def concat_pixels(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

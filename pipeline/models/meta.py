@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
+from pipeline.graphs import find_language_models, stack_candidates
 
 
 def meta_model(model_cls: type, hf_config) -> nn.Module:
@@ -36,3 +37,17 @@ def check_submodules(key: str, paths: list[str] | None, model: nn.Module) -> Non
             f"{key}[{index}]={path} is not a submodule of {type(model).__name__}; {hint}"
             f"its top-level modules are {', '.join(top)}"
         )
+
+
+def check_language_model(model: nn.Module, text_config) -> None:
+    """capture=partial of a VLM captures its language model: exactly one must be found, else a
+    ConfigError listing the candidates and how to name one."""
+    found = find_language_models(model, text_config)
+    if len(found) == 1:
+        return
+    what = "no language model" if not found else f"{len(found)} language models ({', '.join(found)})"
+    raise ConfigError(
+        f"capture=partial found {what} in {type(model).__name__} (a module with {text_config.num_hidden_layers} "
+        f"`layers` and a {text_config.vocab_size}-token embedding); candidates: "
+        f"{'; '.join(stack_candidates(model)) or 'none'}; name one with capture.submodules=[path]"
+    )

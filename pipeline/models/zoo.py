@@ -16,9 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import ConfigError
 
-# The seed's `model_factory` values. A named factory pins one class; the Auto factories resolve
-# the class from the config's model_type, as Hugging Face does.
-MODEL_FACTORIES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "Mistral3VLM")
+# The seed's `model_factory` values, and `auto`: the class model.architecture (or the checkpoint's
+# config.json) names. A named factory pins one class; the Auto factories resolve the class from the
+# config's model_type, as Hugging Face does.
+MODEL_FACTORIES = ("auto", "AutoModelForCausalLM", "AutoModelForImageTextToText", "Mistral3VLM")
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -43,10 +44,45 @@ def _config_class(model_type: str):
     return CONFIG_MAPPING[model_type]
 
 
-def _check_keys(values: Mapping[str, Any], config_cls: type, key_prefix: str) -> None:
-    """Unknown keys would silently become attributes of an HF config; refuse them instead."""
+def _readers(config_cls: type) -> str:
+    """The source of the modeling module beside a config class: what the model reads off its config."""
+    import importlib
+    import inspect
+
+    name = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        return inspect.getsource(importlib.import_module(name))
+    except (ImportError, OSError, TypeError):
+        return ""
+
+
+def _known_keys(config_cls: type, readers: str) -> set[str]:
+    """Keys a published config.json of this class may carry: the class's fields and defaults, its
+    __init__ parameters, its attribute_map (both names), and any key the modeling code reads off a
+    config (`config.head_dim`, `getattr(config, "head_dim", ...)`: Qwen3-MoE's head_dim, which the
+    class keeps as a plain attribute), here or in the parent model's code (PaliGemma reads its vision
+    config's projection_dim)."""
+    import inspect
+    import re
+
     defaults = config_cls()
     known = set(defaults.to_dict()) | set(vars(defaults)) | {"model_type", "rope_scaling", "rope_theta"}
+    for cls in config_cls.__mro__:
+        if "__init__" in vars(cls):
+            known |= set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    attribute_map = getattr(config_cls, "attribute_map", {}) or {}
+    known |= set(attribute_map) | set(attribute_map.values())
+    known |= set(re.findall(r"(?<=config)\.(\w+)", readers))  # config.x, config.vision_config.x
+    known |= set(re.findall(r"getattr\(\s*[\w.]*config\s*,\s*[\"'](\w+)[\"']", readers))
+    return known
+
+
+def _check_keys(values: Mapping[str, Any], config_cls: type, key_prefix: str, readers: str = "") -> None:
+    """Unknown keys would silently become attributes of an HF config; refuse a key no part of
+    transformers knows for this class (a misspelling), accept every key a published config carries."""
+    readers = readers + _readers(config_cls)
+    known = _known_keys(config_cls, readers)
+    defaults = config_cls()
     for key, value in values.items():
         if key not in known:
             raise ConfigError(
@@ -59,7 +95,10 @@ def _check_keys(values: Mapping[str, Any], config_cls: type, key_prefix: str) ->
             and hasattr(sub_config, "model_type")
         ):
             sub_cls = _config_class(value.get("model_type", sub_config.model_type))
-            _check_keys(value, sub_cls, f"{key_prefix}.{key}")
+            _check_keys(value, sub_cls, f"{key_prefix}.{key}", readers)
+
+
+LAYER_COUNTS = ("num_hidden_layers", "depth")  # keys a checkpoint may be loaded with fewer of
 
 
 def _check_against_checkpoint(saved: dict, overrides: dict, folder: str, prefix: str = "") -> None:
@@ -72,7 +111,7 @@ def _check_against_checkpoint(saved: dict, overrides: dict, folder: str, prefix:
             continue
         if key not in saved or saved[key] == value:
             continue
-        if key == "num_hidden_layers" and isinstance(value, int) and 0 < value <= saved[key]:
+        if key in LAYER_COUNTS and isinstance(value, int) and 0 < value <= saved[key]:
             continue
         raise ConfigError(
             f"model.model_kwargs.{name}={value} disagrees with the checkpoint's config.json ({saved[key]}) in "
@@ -92,7 +131,17 @@ def hf_config_values(model_cfg: DictConfig) -> dict[str, Any]:
         _check_against_checkpoint(base, _plain(model_cfg.model_kwargs), model_cfg.checkpoint)
     else:
         base = _plain(model_cfg.hf_config)
-    return deep_merge(base, _plain(model_cfg.model_kwargs))
+    return _per_layer_lists_cut(deep_merge(base, _plain(model_cfg.model_kwargs)))
+
+
+def _per_layer_lists_cut(values: dict[str, Any]) -> dict[str, Any]:
+    """Fewer layers than a config lists per-layer values for (`layer_types` of a saved config.json):
+    the first layers keep theirs, as their weights are the first layers' of the checkpoint."""
+    layers = values.get("num_hidden_layers")
+    types = values.get("layer_types")
+    if isinstance(layers, int) and isinstance(types, list) and len(types) > layers:
+        values = {**values, "layer_types": types[:layers]}
+    return {k: _per_layer_lists_cut(v) if isinstance(v, dict) else v for k, v in values.items()}
 
 
 def build_hf_config(model_cfg: DictConfig):
@@ -107,13 +156,34 @@ def build_hf_config(model_cfg: DictConfig):
         _check_keys(_plain(model_cfg.hf_config), config_cls, "model.hf_config")
     _check_keys(_plain(model_cfg.model_kwargs), config_cls, "model.model_kwargs")
     kwargs = {k: v for k, v in values.items() if k != "model_type"}
-    return config_cls(**kwargs)
+    try:
+        return config_cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # the config class's own validation
+        where = (
+            "model.checkpoint's config.json with model.model_kwargs"
+            if model_cfg.checkpoint
+            else "model.hf_config"
+        )
+        detail = str(exc).strip().splitlines()[-1].strip()
+        raise ConfigError(f"{where} does not make a {config_cls.__name__}: {detail}") from None
 
 
-def resolve_model_class(model_cfg: DictConfig, hf_config) -> type:
+def resolve_model_class(model_cfg, hf_config) -> type:
+    """The Hugging Face class to build. `auto` takes model.architecture, else the config's own
+    `architectures` (what a checkpoint's config.json names); the Auto factories resolve the class
+    from the config's type, as Hugging Face does."""
     import transformers
 
     factory = model_cfg.model_factory
+    if factory == "auto":
+        name = model_cfg.architecture or next(iter(getattr(hf_config, "architectures", None) or []), None)
+        cls = getattr(transformers, name, None) if name else None
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+            raise ConfigError(
+                f"model.architecture={name} is not a model class of transformers "
+                f"{transformers.__version__}; set model.architecture to one (e.g. LlamaForCausalLM)"
+            )
+        return cls
     if factory == "Mistral3VLM":
         cls = transformers.Mistral3ForConditionalGeneration
     elif factory in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
@@ -129,7 +199,7 @@ def resolve_model_class(model_cfg: DictConfig, hf_config) -> type:
         raise ConfigError(
             f"model.model_factory={factory} is not known; use one of: {', '.join(MODEL_FACTORIES)}"
         )
-    if cls.__name__ != model_cfg.architecture:
+    if model_cfg.architecture and cls.__name__ != model_cfg.architecture:
         raise ConfigError(
             f"model.architecture={model_cfg.architecture} but model.model_factory={factory} builds {cls.__name__}; "
             "make them agree"

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from pipeline.profiler import events, output, tables, tree
 from pipeline.profiler.categories import Categorizer
 from pipeline.profiler.ranges import module_ranges
+from pipeline.runtime.engine import Generation
 
 
 class WindowsMissing(RuntimeError):
@@ -33,15 +34,25 @@ class WindowsMissing(RuntimeError):
 
 
 class WindowCollector:
-    """on_trace_ready: each closed window becomes a phase (prefill, decode_1, ...), its Chrome
-    trace written at once and its events read while the profiler still holds them."""
+    """on_trace_ready: each closed window becomes a phase named by its step (prefill, prefill_2 when
+    a prompt was chunked or requests queued, decode_1, ...), its Chrome trace written at once and
+    its events read while the profiler still holds them. The engine says which kind of step each
+    window holds (`pending`) before the profiler closes it; a window closed without one (the empty
+    one the profiler closes on exit) is dropped."""
 
     def __init__(self, trace_dir: Path, module_names: dict[int, str]):
         self.trace_dir, self.module_names = trace_dir, module_names
         self.windows: list[tuple[str, events.Window]] = []
+        self.pending: str | None = None
+        self.counts = {"prefill": 0, "decode": 0}
 
     def __call__(self, prof) -> None:
-        phase = "prefill" if not self.windows else f"decode_{len(self.windows)}"
+        kind, self.pending = self.pending, None
+        if kind is None:
+            return
+        self.counts[kind] += 1
+        n = self.counts[kind]
+        phase = "prefill" if kind == "prefill" and n == 1 else f"{kind}_{n}"
         prof.export_chrome_trace(str(self.trace_dir / f"{phase}.json"))
         self.windows.append((phase, events.read_window(prof, self.module_names)))
 
@@ -49,8 +60,9 @@ class WindowCollector:
 @dataclass
 class ProfiledRun:
     windows: list[tuple[str, events.Window]]
-    step_s: list[float]  # the profiled steps' own times: prefill, then each decode step
-    unprofiled_step_s: list[float]  # the same steps without the profiler
+    step_s: list[float]  # the profiled steps' own times, in order (a window each)
+    unprofiled: Generation  # the same workload without the profiler
+    profiled: Generation
     instrumented: list[str] = field(default_factory=list)  # graphs that got module ranges
 
 
@@ -66,7 +78,7 @@ def profile_steps(
     window per step. Module ranges go into the graphs (when asked: only a graph that runs its own
     forward shows them) for the profiled run only."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    unprofiled = generate(decode_steps + 1, lambda: None)
+    unprofiled = generate(decode_steps + 1, lambda kind: None)
     collector = WindowCollector(trace_dir, {})
     ranges = module_ranges(model) if module_ranges_in_graphs else nullcontext([])
     with ranges as instrumented, warnings.catch_warnings():
@@ -78,16 +90,19 @@ def profile_steps(
             activities=activities,
             record_shapes=True,
             with_stack=True,
-            schedule=schedule(wait=0, warmup=0, active=1, repeat=decode_steps + 1),
+            schedule=schedule(wait=0, warmup=0, active=1),
             on_trace_ready=collector,
         ) as prof:
-            profiled = generate(decode_steps + 1, prof.step)
-    step_s = [profiled.prefill_s, *profiled.decode_step_s]
+
+            def close_window(kind: str) -> None:
+                collector.pending = kind
+                prof.step()
+
+            profiled = generate(decode_steps + 1, close_window)
+    step_s = [s.seconds for s in profiled.steps]
     if len(collector.windows) != len(step_s):
         raise WindowsMissing(f"the profiler closed {len(collector.windows)} windows for {len(step_s)} steps")
-    return ProfiledRun(
-        collector.windows, step_s, [unprofiled.prefill_s, *unprofiled.decode_step_s], list(instrumented)
-    )
+    return ProfiledRun(collector.windows, step_s, unprofiled, profiled, list(instrumented))
 
 
 def context(device: torch.device, **run: Any) -> dict[str, Any]:
@@ -124,10 +139,15 @@ def phases_of(run: ProfiledRun, categories: dict[str, str]) -> dict[str, dict[st
         phase: _entry(root, step_s)
         for (phase, _), root, step_s in zip(run.windows, trees, run.step_s, strict=True)
     }
-    phases["decode"] = {
-        **_entry(tree.mean_tree(trees[1:], "decode"), statistics.median(run.step_s[1:])),
-        "mean_of": [phase for phase, _ in run.windows[1:]],
-    }
+    decode = [i for i, (phase, _) in enumerate(run.windows) if phase.startswith("decode_")]
+    if decode:
+        phases["decode"] = {
+            **_entry(
+                tree.mean_tree([trees[i] for i in decode], "decode"),
+                statistics.median(run.profiled.decode_step_s),
+            ),
+            "mean_of": [run.windows[i][0] for i in decode],
+        }
     return phases
 
 
@@ -139,15 +159,13 @@ def _weighted(phases: dict[str, dict], key: str) -> float:
 
 
 def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
-    decode, unprofiled_decode = (
-        statistics.median(run.step_s[1:]),
-        statistics.median(run.unprofiled_step_s[1:]),
-    )
+    profiled, unprofiled = run.profiled, run.unprofiled
+    decode = statistics.median(profiled.decode_step_s)
     return {
-        "profile/prefill_ms": 1000 * run.step_s[0],
+        "profile/prefill_ms": 1000 * profiled.prefill_s,
         "profile/decode_ms": 1000 * decode,
-        "profile/overhead_ratio": decode / unprofiled_decode,
-        "profile/prefill_overhead_ratio": run.step_s[0] / run.unprofiled_step_s[0],
+        "profile/overhead_ratio": decode / statistics.median(unprofiled.decode_step_s),
+        "profile/prefill_overhead_ratio": profiled.prefill_s / unprofiled.prefill_s,
         "profile/coverage_pct": _weighted(phases, "coverage_pct"),
         "profile/layer_coverage_pct": _weighted(phases, "layer_coverage_pct"),
         "profile/windows": len(run.windows),

@@ -10,8 +10,9 @@ from pathlib import Path
 from torch import nn
 
 from pipeline.backends.cudagraph import CUDAGraphRunner
-from pipeline.runtime.engine import DemoLLM, Generation, PagedRunner
+from pipeline.runtime.engine import DemoLLM, Generation
 from pipeline.runtime.requests import Request
+from pipeline.runtime.runners import PagedRunner
 
 
 def generation_metrics(runs: list[Generation], decode_bytes: int) -> dict[str, float]:
@@ -28,6 +29,8 @@ def generation_metrics(runs: list[Generation], decode_bytes: int) -> dict[str, f
         "throughput/decode_gbs": decode_bytes / (statistics.median(decode) / 1000) / 1e9,
         "generation/requests": len(last.tokens),
         "generation/tokens": sum(len(t) for t in last.tokens.values()),
+        "generation/prefill_steps": sum(s.kind == "prefill" for s in last.steps),
+        **request_metrics(runs),
     }
     if len(runs) > 1:
         metrics |= {
@@ -36,6 +39,30 @@ def generation_metrics(runs: list[Generation], decode_bytes: int) -> dict[str, f
             "latency/decode_ms_min": min(decode),
             "latency/decode_ms_max": max(decode),
         }
+    return metrics
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def request_metrics(runs: list[Generation]) -> dict[str, float]:
+    """What each request saw, over the requests of every timed run: time in the queue, to its first
+    token, per output token after it (median and p90), and requests finished per second."""
+    timings = [t for g in runs for t in g.requests.values()]
+    queue = [1000 * t.queue_s for t in timings]
+    ttft = [1000 * t.ttft_s for t in timings]
+    tpot = [1000 * t.tpot_s for t in timings if t.tpot_s is not None]
+    metrics = {
+        "latency/queue_ms": statistics.median(queue),
+        "latency/queue_p90_ms": _p90(queue),
+        "latency/ttft_ms": statistics.median(ttft),
+        "latency/ttft_p90_ms": _p90(ttft),
+        "throughput/requests_s": statistics.median(len(g.requests) / g.wall_s for g in runs),
+    }
+    if tpot:
+        metrics |= {"latency/tpot_ms": statistics.median(tpot), "latency/tpot_p90_ms": _p90(tpot)}
     return metrics
 
 
@@ -50,6 +77,10 @@ def generation_notes(
         f"weights read at {metrics['throughput/decode_gbs']:.1f} GB/s"
         + (f"; median of {timed_runs} timed runs" if timed_runs > 1 else "")
         + ("; after a warm-up generation" if warmed_up else ""),
+        f"per request: queue {metrics['latency/queue_ms']:.1f} ms, time to first token "
+        f"{metrics['latency/ttft_ms']:.1f} ms (p90 {metrics['latency/ttft_p90_ms']:.1f})"
+        + (f", {metrics['latency/tpot_ms']:.2f} ms per output token" if "latency/tpot_ms" in metrics else "")
+        + f"; {metrics['generation/prefill_steps']} prefill step(s), {metrics['throughput/requests_s']:.2f} requests/s",
     ]
 
 
@@ -77,9 +108,20 @@ def resource_metrics(model: nn.Module, engine: DemoLLM) -> tuple[dict[str, float
 
 
 def write_tokens(path: Path, requests: list[Request], generation: Generation) -> None:
-    """The generated token ids, a request a line."""
+    """The generated token ids and what each request waited, a request a line."""
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(1000 * seconds, 3)
+
     entries = [
-        {"seq_id": r.seq_id, "prompt_len": len(r.prompt), "tokens": generation.tokens[r.seq_id]}
+        {
+            "seq_id": r.seq_id,
+            "prompt_len": len(r.prompt),
+            "queue_ms": ms(generation.requests[r.seq_id].queue_s),
+            "ttft_ms": ms(generation.requests[r.seq_id].ttft_s),
+            "tpot_ms": ms(generation.requests[r.seq_id].tpot_s),
+            "tokens": generation.tokens[r.seq_id],
+        }
         for r in requests
     ]
     path.write_text("[\n" + ",\n".join(json.dumps(e) for e in entries) + "\n]\n")

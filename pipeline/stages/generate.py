@@ -16,8 +16,9 @@ from pipeline.state import RunState, StageResult
 def run(state: RunState) -> StageResult:
     cfg = state.cfg
     requests = build_requests(
-        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.tokenizer
-    )
+        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
+        chunked=cfg.capture.mode != "none",
+    )  # fmt: skip
     try:
         engine = DemoLLM(state.model, state.hf_config, cfg.runtime, state.device, eos_ids(state.hf_config))
     except ValueError as exc:

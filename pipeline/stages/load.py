@@ -1,12 +1,16 @@
-"""load: build the Hugging Face model offline (random seeded weights, or a local checkpoint)."""
+"""load: build the Hugging Face model offline (random seeded weights, or a local checkpoint's),
+with what turns queries into tokens and pixels (the checkpoint's tokenizer, chat template and
+image processor)."""
 
 from __future__ import annotations
 
 from pipeline.graphs import find_language_models
-from pipeline.models import build, zoo
+from pipeline.models import build, checkpoint, zoo
+from pipeline.models.images import checkpoint_image_processor
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_count
 from pipeline.models.tokenizer import load_tokenizer
+from pipeline.runtime.requests import Sources
 from pipeline.state import ModelInfo, RunState, StageResult
 
 EXAMPLE_BATCH = 2  # export needs a batch > 1 to keep the batch dim dynamic
@@ -15,8 +19,9 @@ EXAMPLE_BATCH = 2  # export needs a batch > 1 to keep the batch dim dynamic
 def run(state: RunState) -> StageResult:
     model_cfg = state.cfg.model
     model_cls = zoo.resolve_model_class(model_cfg, state.hf_config)
-    if model_cfg.checkpoint:
-        model, report = build.load_checkpoint(
+    notes, metrics = [], {}
+    if model_cfg.checkpoint and model_cfg.skip_loading_weights is not True:
+        model, report = checkpoint.load(
             model_cls,
             model_cfg.checkpoint,
             state.hf_config,
@@ -26,6 +31,9 @@ def run(state: RunState) -> StageResult:
             model_cfg.attn_implementation,
         )
         source = model_cfg.checkpoint
+        metrics["model/unused_checkpoint_weights"] = len(report.unexpected)
+        if report.unexpected:
+            notes.append(checkpoint.describe_unexpected(report))
     else:
         model, report = build.build_random(
             model_cls,
@@ -35,10 +43,14 @@ def run(state: RunState) -> StageResult:
             state.cfg.seed,
             model_cfg.attn_implementation,
         )
-        source = f"random (seed {state.cfg.seed})"
+        source = f"random (seed {state.cfg.seed})" + (
+            f", config from {model_cfg.checkpoint}" if model_cfg.checkpoint else ""
+        )
     state.model = model
     lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
-    state.tokenizer = load_tokenizer(model_cfg.checkpoint)
+    state.sources = Sources(
+        load_tokenizer(model_cfg.checkpoint), checkpoint_image_processor(model_cfg.checkpoint)
+    )
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
         params=report.params,
@@ -59,10 +71,12 @@ def run(state: RunState) -> StageResult:
             "model/bytes": info.bytes,
             "model/decode_bytes": info.decode_bytes,
             "time/init_s": info.init_s,
+            **metrics,
         },
         notes=[
             f"{info.architecture}: {human_count(info.params)} parameters, {info.bytes / 2**30:.2f} GiB "
             f"{str(state.dtype).removeprefix('torch.')} on {state.device}, weights {source}, init {info.init_s:.1f} s",
             f"language model at: {', '.join(info.language_model_paths) or '(none found)'}",
+            *notes,
         ],
     )

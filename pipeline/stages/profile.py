@@ -51,8 +51,9 @@ def run(state: RunState) -> StageResult:
         raise StageFailure("nothing to profile: the generate stage built no engine")
     engine, steps = state.engine, cfg.profile.decode_steps
     requests = build_requests(
-        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.tokenizer
-    )
+        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
+        chunked=cfg.capture.mode != "none",
+    )  # fmt: skip
     params = SamplingParams(**vars(cfg.runtime.sampling))
     folder, trace_dir = state.run_dir / "profile", state.run_dir / "traces"
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def run(state: RunState) -> StageResult:
     )
     metrics = session.metrics_of(profiled, phases)
     notes = [
-        f"{len(profiled.windows)} windows (prefill, decode_1..{steps}); profiled decode "
+        f"{len(profiled.windows)} windows ({', '.join(name for name, _ in profiled.windows[:2])}, ...); profiled decode "
         f"{metrics['profile/decode_ms']:.2f} ms/step = {metrics['profile/overhead_ratio']:.2f}x unprofiled",
         f"coverage: {metrics['profile/coverage_pct']:.1f} % of device time in a module, "
         f"{metrics['profile/layer_coverage_pct']:.1f} % of the layer stacks' time in a layer or deeper",

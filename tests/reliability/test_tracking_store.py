@@ -114,5 +114,5 @@ def test_what_the_project_exposes():
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "--host 127.0.0.1" in makefile and "0.0.0.0" not in makefile
     assert ModelConfig().trust_remote_code is False
-    build = (REPO_ROOT / "pipeline" / "models" / "build.py").read_text()
+    build = (REPO_ROOT / "pipeline" / "models" / "checkpoint.py").read_text()
     assert "use_safetensors=True" in build and "torch.load" not in build

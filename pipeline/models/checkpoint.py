@@ -1,0 +1,142 @@
+"""A Hugging Face model folder as users have it: config.json, safetensors weights (one file, several,
+or shards named by model.safetensors.index.json), in any dtype, with tokenizer files, a chat
+template and an image processor config beside them.
+
+`check_folder` looks at it before anything is built (exit 2 on a folder that cannot be loaded:
+no config, a shard the index names missing, pickled weights only). `load` reads the weights with
+Hugging Face's own `from_pretrained` (safetensors only, never the network) and makes its loading
+report a contract: a weight of the model that the folder does not hold fails the load, naming it,
+where Hugging Face would initialise it randomly and go on; weights the folder holds that the model
+does not use (a checkpoint of 40 layers run with two) are reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.errors import ConfigError, StageFailure
+
+INDEX = "model.safetensors.index.json"
+SHOWN = 5  # names listed in a message; the count says the rest
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files the weights are in: the index's shards, or every *.safetensors."""
+    index = folder / INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        return [folder / shard for shard in shards]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def check_folder(path: str, need_weights: bool) -> None:
+    """The folder can be loaded: a ConfigError naming the key and the fix when it cannot."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"model.checkpoint={path} is not a folder; point it at a Hugging Face model folder")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.checkpoint={path} has no config.json; point it at a Hugging Face model folder"
+        )
+    if not need_weights:
+        return
+    files = weight_files(folder)
+    if missing := [f.name for f in files if not f.is_file()]:
+        raise ConfigError(
+            f"model.checkpoint={path}: {INDEX} names {len(missing)} shard(s) that are not there: "
+            f"{', '.join(missing[:SHOWN])}; copy them in, or set model.skip_loading_weights=true for random weights"
+        )
+    if not files:
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        what = (
+            f"only pickled weights ({', '.join(pickled[:SHOWN])}), which are never loaded"
+            if pickled
+            else "no weights"
+        )
+        raise ConfigError(
+            f"model.checkpoint={path} has {what}; convert them to safetensors, or set "
+            "model.skip_loading_weights=true to run its config with random weights"
+        )
+
+
+@dataclass
+class LoadReport:
+    params: int
+    bytes: int
+    seconds: float
+    unexpected: list[str] = field(default_factory=list)  # in the folder, not used by the model
+
+
+def _names(keys: list[str]) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:SHOWN]) + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Hugging Face prints its own table of unexpected keys; the load's report says it once."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def load(
+    model_cls: type,
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool,
+    attn_implementation: str | None = None,
+) -> tuple[nn.Module, LoadReport]:
+    start = time.perf_counter()
+    with _quiet_transformers():
+        model, info = model_cls.from_pretrained(
+            path,
+            config=hf_config,
+            dtype=dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+        )
+    missing, mismatched = (
+        list(info["missing_keys"]),
+        [str(k[0]) if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"]],
+    )
+    if missing:
+        raise StageFailure(
+            f"model.checkpoint={path} lacks {len(missing)} weight(s) of {model_cls.__name__}: {_names(missing)}; "
+            "Hugging Face would initialise them randomly: give a complete folder, or "
+            "model.skip_loading_weights=true for random weights throughout"
+        )
+    if mismatched:
+        raise StageFailure(
+            f"model.checkpoint={path} holds {len(mismatched)} weight(s) of other shapes than {model_cls.__name__} "
+            f"expects: {_names(mismatched)}; check model.model_kwargs against the folder's config.json"
+        )
+    model = model.to(device).eval()
+    unique = {id(p): p for p in model.parameters()}.values()
+    return model, LoadReport(
+        params=sum(p.numel() for p in unique),
+        bytes=sum(p.numel() * p.element_size() for p in unique),
+        seconds=time.perf_counter() - start,
+        unexpected=sorted(info["unexpected_keys"]),
+    )
+
+
+def describe_unexpected(report: LoadReport) -> str:
+    return f"{len(report.unexpected)} weight(s) in the folder the model does not use: {_names(report.unexpected)}"

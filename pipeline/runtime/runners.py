@@ -1,0 +1,182 @@
+"""How one step runs the model: two runners behind one interface (`prefill(chunks)`, `decode(requests,
+ids)`, `release(request)`), each returning the logits of the rows that sample a token.
+
+- `PagedRunner` for a model whose captured graph has cached attention (insert_cached_attention):
+  every step packs the new tokens of its sequences into one row [1, T] (prefill chunks of any
+  length, or one token per sequence in decode), with explicit position ids, and binds the paged
+  KV cache and the step's sequence metadata to the graph's inputs. The eager parts (vision tower,
+  image merging, lm_head) run as HF wrote them.
+- `EagerRunner` for `capture=none`: the HF model with its own attention and DynamicCache, a wave
+  of whole prompts left-padded, so the eager baseline runs through the same loop and timers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from pipeline.attention.kv_cache import PagedKVCache, pages_for
+from pipeline.config import RuntimeConfig
+from pipeline.graphs import range_name, record_of
+from pipeline.models.images import concat_pixels
+from pipeline.runtime.positions import Positions
+from pipeline.runtime.requests import Request
+from pipeline.runtime.scheduler import Chunk
+
+
+def engine_span(part: str):
+    """A named range for the profiler: the engine's own work shows as `demollm.<part>` in the
+    module tree instead of unattributed (a no-op when no profiler runs)."""
+    return torch.profiler.record_function(range_name(f"demollm.{part}", "DemoLLM"))
+
+
+def _three_rows(positions: torch.Tensor, mrope: bool) -> torch.Tensor:
+    """[..., T] -> [3, ..., T] for multimodal RoPE (grid positions already have their three rows)."""
+    if mrope and positions.shape[0] != 3:
+        return positions[None].expand(3, *positions.shape)
+    return positions
+
+
+def _images(chunks: list[Chunk]) -> dict[str, torch.Tensor]:
+    """The pixel tensors of the chunks that hold their request's images, in one call, in order."""
+    return concat_pixels([c.request.images for c in chunks if c.has_images])
+
+
+class PagedRunner:
+    chunked = True  # a prompt may be prefilled over several steps
+
+    def __init__(self, model: nn.Module, graph: fx.GraphModule, hf_config, runtime: RuntimeConfig, device):
+        self.model, self.graph, self.device = model, graph, device
+        self.positions = Positions(model, hf_config)
+        specs = record_of(graph).cache_specs
+        self.cache = PagedKVCache(specs, pages_for(runtime, specs), runtime.attn_page_size, device)
+        self.step_inputs: dict[str, torch.Tensor] = {}
+        record_of(graph).runtime_inputs = lambda call: self.step_inputs
+        self.eager_lm_head = not isinstance(model, fx.GraphModule)
+
+    def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Each chunk's prompt tokens packed into one step -> the logits of the chunks that complete
+        their prompt [C, V] (the others only fill the cache)."""
+        with engine_span("step_inputs"):
+            lengths = [c.end - c.start for c in chunks]
+            self._reserve([c.request for c in chunks], lengths)
+            ids = [t for c in chunks for t in c.request.prompt[c.start : c.end]]
+            pieces = [self.positions.prompt(c.request, c.start, c.end) for c in chunks]
+            if any(p.dim() == 2 for p in pieces):  # grid positions: every piece on three rows
+                pieces = [_three_rows(p, True) for p in pieces]
+            positions = torch.cat(pieces, dim=-1)[..., None, :]  # [1, T] or [3, 1, T]
+            kwargs = {
+                "input_ids": torch.tensor(ids, device=self.device)[None],  # [1, T]
+                "position_ids": positions.to(self.device),
+                **_images(chunks),
+            }
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            last = ends[[i for i, c in enumerate(chunks) if c.completes]].to(self.device)  # rows to keep
+        return self._run([c.request for c in chunks], lengths, kwargs, last)
+
+    def decode(self, requests: list[Request], ids: torch.Tensor) -> torch.Tensor:
+        """ids [B]: one new token per request, already on the device -> logits [B, V]."""
+        with engine_span("step_inputs"):
+            lengths = [1] * len(requests)
+            meta = self._reserve(requests, lengths)
+            # A decode token sits at its sequence's cached length (plus its grid delta): positions
+            # come from the metadata already on the device, not from another host copy.
+            positions = meta["cache_lens"].long()
+            deltas = [self.positions.of(r)[1] for r in requests] if self.positions.mrope else []
+            if any(deltas):
+                positions = positions + torch.tensor(deltas).to(self.device, non_blocking=True)
+            kwargs = {"input_ids": ids[None], "position_ids": positions[None]}  # [1, B]
+        return self._run(requests, lengths, kwargs, last=None)
+
+    def _reserve(self, requests: list[Request], lengths: list[int]) -> dict[str, torch.Tensor]:
+        seq_ids = [r.seq_id for r in requests]
+        for seq_id, n in zip(seq_ids, lengths, strict=True):
+            self.cache.reserve(seq_id, n)
+        meta = self.cache.metadata(seq_ids, lengths, self.device)
+        self.step_inputs = {**self.cache.tensors, **meta}
+        return meta
+
+    def _run(self, requests: list[Request], lengths: list[int], kwargs: dict, last: torch.Tensor | None):
+        """last: the rows to keep of a packed step (None: every row, one per sequence in decode)."""
+        kwargs["position_ids"] = _three_rows(kwargs["position_ids"], self.positions.mrope)
+        kwargs["use_cache"] = False
+        if self.eager_lm_head:  # HF's lm_head then runs on the kept rows only (0: all rows)
+            kwargs["logits_to_keep"] = 0 if last is None else last
+        with torch.no_grad():
+            logits = self.model(**kwargs).logits[0]  # [kept or T, V]
+        with engine_span("step_outputs"):
+            for request, n in zip(requests, lengths, strict=True):
+                self.cache.commit(request.seq_id, n)
+        return logits if self.eager_lm_head or last is None else logits[last]
+
+    def release(self, request: Request) -> None:
+        self.cache.free(request.seq_id)
+        self.positions.forget(request)
+
+
+class EagerRunner:
+    """HF's own cache and attention; a wave of whole prompts left-padded to the longest, as HF
+    generate pads. The padded cache keeps a row per prefilled request: rows of finished requests
+    are fed a token and their outputs dropped."""
+
+    chunked = False  # whole prompts, in waves (runtime/scheduler.py)
+
+    def __init__(self, model: nn.Module, hf_config, pad_id: int, device):
+        from transformers import DynamicCache
+
+        self.model, self.pad_id, self.device = model, pad_id, device
+        self.positions = Positions(model, hf_config)
+        self.cache_cls = DynamicCache
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, S] of every prefilled row
+        self.rows: dict[int, int] = {}  # seq_id -> its row
+        self.deltas: torch.Tensor | None = None  # [B, 1]: each row's grid-position delta
+        self.ids: torch.Tensor | None = None  # [B]: each row's last fed token
+
+    def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
+        requests = [c.request for c in chunks]
+        with engine_span("step_inputs"):
+            width = max(len(r.prompt) for r in requests)
+            ids = torch.tensor([[self.pad_id] * (width - len(r.prompt)) + r.prompt for r in requests])
+            mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
+            self.cache, self.mask = self.cache_cls(config=self.model.config), mask.to(self.device)
+            self.rows = {r.seq_id: row for row, r in enumerate(requests)}
+            self.ids = torch.full((len(requests),), self.pad_id, device=self.device)
+            grids = [self.positions.of(r) for r in requests]
+            self.deltas = torch.tensor([[delta] for _, delta in grids]).to(self.device)  # [B, 1]
+            kwargs = {"input_ids": ids.to(self.device), **_images(chunks)}
+            if any(grid is not None for grid, _ in grids):  # [3, B, W], left-padded with position 0
+                kwargs["position_ids"] = torch.stack(
+                    [
+                        torch.nn.functional.pad(
+                            _three_rows(self.positions.prompt(r, 0, len(r.prompt)), True),
+                            (width - len(r.prompt), 0),
+                        )
+                        for r in requests
+                    ],  # fmt: skip
+                    dim=1,
+                ).to(self.device)
+        return self._run(kwargs, width)
+
+    def decode(self, requests: list[Request], ids: torch.Tensor) -> torch.Tensor:
+        with engine_span("step_inputs"):
+            every_row = len(requests) == len(self.rows)  # batches keep request order
+            if every_row:
+                self.ids = ids
+            else:
+                rows = torch.tensor([self.rows[r.seq_id] for r in requests], device=self.device)
+                self.ids = self.ids.index_copy(0, rows, ids)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+            kwargs = {"input_ids": self.ids[:, None]}
+        logits = self._run(kwargs, 1)
+        return logits if every_row else logits[rows]
+
+    def _run(self, kwargs: dict, width: int) -> torch.Tensor:
+        if "position_ids" not in kwargs:  # text positions of each row plus its grid delta: [B, S]
+            kwargs["position_ids"] = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:] + self.deltas
+        kwargs.update(attention_mask=self.mask, past_key_values=self.cache, use_cache=True)
+        with torch.no_grad():
+            return self.model(**kwargs).logits[:, -1]
+
+    def release(self, request: Request) -> None:
+        self.positions.forget(request)  # one DynamicCache per wave

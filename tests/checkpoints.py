@@ -1,0 +1,144 @@
+"""Hugging Face model folders as users have them, built offline from the tiny configs: weights saved
+by Hugging Face's own `save_pretrained` in small safetensors shards with an index, a word-level
+tokenizer (the `tokenizers` library) whose special tokens sit at the ids the configs use, a chat
+template in each family's layout, and, for VLMs, the family's image processor config. Nothing is
+downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# A chat template that renders the seed's three message forms (string content, or text and image
+# parts) with the family's role and image markers; `add_generation_prompt` opens the reply.
+_PARTS = (
+    "{%- if m['content'] is string %}{{ m['content'] }}{%- else %}{%- for c in m['content'] %}"
+    "{%- if c['type'] == 'image' %}IMAGE{%- elif c['type'] == 'text' %}{{ c['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+)
+FAMILIES = {
+    "mistral": {
+        "specials": {"[INST]": 3, "[/INST]": 4, "[IMG]": 10, "[IMG_BREAK]": 11, "[IMG_END]": 12},
+        "template": "{{ bos_token }}{%- for m in messages %}{%- if m['role'] == 'user' %}[INST]"
+        + _PARTS.replace("IMAGE", "[IMG]")
+        + "[/INST]{%- else %}"
+        + _PARTS.replace("IMAGE", "")
+        + "{{ eos_token }}{%- endif %}{%- endfor %}",
+    },
+    "llama": {
+        "specials": {"<|start_header_id|>": 3, "<|end_header_id|>": 4, "<|eot_id|>": 5},
+        "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+        + _PARTS.replace("IMAGE", "")
+        + "<|eot_id|>{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{%- endif %}",
+    },
+    "qwen2_5_vl": {
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<|image_pad|>": 500,
+            "<|video_pad|>": 501,
+            "<|vision_start|>": 502,
+            "<|vision_end|>": 503,
+        },
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "llama4": {
+        "specials": {
+            "<|header_start|>": 3,
+            "<|header_end|>": 4,
+            "<|eot|>": 5,
+            "<|patch|>": 500,
+            "<|image_start|>": 501,
+            "<|image_end|>": 502,
+            "<|image|>": 503,
+            "<|tile_x_separator|>": 504,
+            "<|tile_y_separator|>": 505,
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}<|header_start|>{{ m['role'] }}<|header_end|>"
+        + _PARTS.replace("IMAGE", "<|image|>")
+        + "<|eot|>{%- endfor %}{%- if add_generation_prompt %}<|header_start|>assistant<|header_end|>{%- endif %}",
+    },
+}
+FAMILY_OF = {
+    "mistral3": "mistral",
+    "mistral": "mistral",
+    "llama": "llama",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "llama4": "llama4",
+}
+WORDS = (
+    "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "
+    "please describe natural scenery you see following images what colour sky why water wet tell me about "
+    "cats dogs this picture image photo one two three four five red blue green small large very"
+).split()
+
+
+def build_tokenizer(model_type: str, vocab_size: int):
+    """A word-level fast tokenizer with the family's special tokens at the config's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    family = FAMILIES[FAMILY_OF[model_type]]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **family["specials"]}
+    free = (i for i in range(vocab_size) if i not in vocab.values())
+    for word in [*WORDS, *"abcdefghijklmnopqrstuvwxyz?.,:!'"]:
+        vocab.setdefault(word, next(free))
+    for index in free:
+        vocab[f"t{index}"] = index
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        additional_special_tokens=list(family["specials"]),
+    )
+    tokenizer.chat_template = family["template"]
+    return tokenizer
+
+
+def build_image_processor(hf_config):
+    """The family's image processor (PIL flavour), sized as a published one is for the tiny vision
+    config; None for Llama-4, whose image processor needs torchvision (the pipeline tiles itself).
+    The processors around them need torchvision too (Pixtral's; Qwen2.5-VL's video half), which does
+    not install beside the CPU torch: the image processor's config is what a folder gives here."""
+    import transformers
+
+    vision = hf_config.vision_config
+    if hf_config.model_type == "mistral3":
+        step = vision.patch_size * hf_config.spatial_merge_size
+        return transformers.PixtralImageProcessorPil(
+            size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
+        )
+    if hf_config.model_type == "qwen2_5_vl":
+        step = vision.patch_size * vision.spatial_merge_size
+        return transformers.Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            min_pixels=step * step,
+            max_pixels=16 * step * step,
+        )
+    return None
+
+
+def save_checkpoint(model: torch.nn.Module, folder: Path, shard: str = "40KB", dtype=None) -> Path:
+    """model (and its tokenizer, chat template and processor) as a Hugging Face model folder, in
+    safetensors shards of at most `shard` with model.safetensors.index.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder, max_shard_size=shard)
+    config = model.config
+    text = getattr(config, "text_config", None) or config
+    tokenizer = build_tokenizer(config.model_type, text.vocab_size)
+    processor = build_image_processor(config) if getattr(config, "vision_config", None) else None
+    tokenizer.save_pretrained(folder)
+    if processor is not None:
+        processor.save_pretrained(folder)
+    return folder

@@ -1,0 +1,281 @@
+"""The user's own model folder: sharded safetensors saved by Hugging Face, a tokenizer and chat
+template built offline, the family's image processor config. For every tiny seed model the
+pipeline (load from the folder, partial capture, transforms, demollm) generates the tokens Hugging
+Face's own `from_pretrained` + `generate` does from the same folder, for text, chat and chat-with-image
+queries; a folder with a weight or a shard missing fails naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import save_checkpoint
+from conftest import TINY_MODELS, build_tiny, compose_dict, run_pipeline
+from PIL import Image
+from test_runtime import hf_inputs
+
+from pipeline.__main__ import check_config
+from pipeline.bench.prepare import advance, new_state, release
+from pipeline.errors import ConfigError, StageFailure
+from pipeline.models import zoo
+from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.requests import build_requests
+from pipeline.runtime.sampling import SamplingParams
+
+LANGUAGE_MODEL = {
+    "tiny_mistral3": "model.language_model",
+    "tiny_qwen2_5_vl": "model.language_model",
+    "tiny_llama4_scout": "language_model.model",
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny seed model saved as a Hugging Face folder (float32 weights in 40 KB shards)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: save_checkpoint(build_tiny(name, seed=7)[0], root / name) for name in TINY_MODELS}
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("images") / "photo.png"
+    pixels = torch.randint(0, 256, (60, 90, 3), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(path)
+    return path
+
+
+def _queries(name: str, photo: Path) -> list:
+    queries = [
+        "how big is the universe?",
+        {"prompt": "explain gravity in simple words and a single sentence:"},
+        [{"role": "user", "content": [{"type": "text", "text": "how to fix slicing in golf?"}]}],
+    ]
+    if name in LANGUAGE_MODEL:
+        queries.append(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "please describe the natural scenery you see in this image"},
+                        {"type": "image", "url": f"file://{photo}"},
+                    ],
+                }
+            ]
+        )
+    return queries
+
+
+def hydra_value(value) -> str:
+    """A Python value in Hydra's override grammar: quoted strings, bare keys."""
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def _hf_reference(cls: type, folder: Path, requests, dtype: torch.dtype, new_tokens: int) -> dict:
+    """Hugging Face's own: from_pretrained on the folder, generate on each request alone."""
+    model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    out = {}
+    with torch.no_grad():
+        for request in requests:
+            ids = model.generate(
+                **hf_inputs(model.config, request), max_new_tokens=new_tokens, do_sample=False
+            )
+            out[request.seq_id] = ids[0, len(request.prompt) :].tolist()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_a_checkpoint_folder_generates_what_hugging_face_generates(name, dtype, folders, photo, tmp_path):
+    queries = hydra_value(_queries(name, photo))
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={folders[name]}",
+        f"prompt.queries={queries}",
+        "prompt.output_len=6",
+    ]
+    checked = check_config(compose_dict(overrides), cuda_available=False)  # every query checked up front
+    assert (
+        checked.model_cls.__name__
+        == json.loads((folders[name] / "config.json").read_text())["architectures"][0]
+    )
+    state = new_state(overrides, dtype, torch.device("cpu"), tmp_path)
+    try:
+        advance(state, "load", "export", "transforms")
+        if name in LANGUAGE_MODEL:  # found by structure, though from_pretrained copied the configs
+            assert state.model_info.language_model_paths == [LANGUAGE_MODEL[name]]
+            assert [c.path for c in state.captured] == [LANGUAGE_MODEL[name]]
+        assert state.model_info.source == str(folders[name])
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, dtype, state.device, state.sources
+        )
+        assert len(requests) == len(_queries(name, photo))
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate(requests, 6, SamplingParams(), seed=0).tokens
+        assert tokens == _hf_reference(checked.model_cls, folders[name], requests, dtype, 6)
+    finally:
+        release(state)
+
+
+def _copy(folder: Path, into: Path) -> Path:
+    into.mkdir()
+    for path in folder.iterdir():
+        (into / path.name).write_bytes(path.read_bytes())
+    return into
+
+
+def _load(folder: Path, tmp_path: Path, *extra: str):
+    overrides = ["model=hf", f"model.checkpoint={folder}", *extra]
+    check_config(compose_dict(overrides), cuda_available=False)
+    state = new_state(overrides, torch.float32, torch.device("cpu"), tmp_path / "run")
+    return state, advance(state, "load")
+
+
+def test_a_missing_tensor_fails_the_load_naming_it(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(folders["tiny_llama3_1_8b"], tmp_path / "broken")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(StageFailure, match=rf"lacks 1 weight\(s\) of LlamaForCausalLM: {name}"):
+        _load(folder, tmp_path)
+
+
+def test_weights_the_model_does_not_use_are_reported(folders, tmp_path):
+    """Two layers saved, one run (model_kwargs): the second layer's weights are reported, not loaded."""
+    state, _ = _load(folders["tiny_magistral"], tmp_path, "+model.model_kwargs.num_hidden_layers=1")
+    record = state.model_info
+    assert record.source == str(folders["tiny_magistral"]) and state.model.config.num_hidden_layers == 1
+    release(state)
+    from pipeline.stages import load
+
+    state = new_state(
+        [
+            "model=hf",
+            f"model.checkpoint={folders['tiny_magistral']}",
+            "+model.model_kwargs.num_hidden_layers=1",
+        ],
+        torch.float32,
+        torch.device("cpu"),
+        tmp_path / "again",
+    )
+    result = load.run(state)
+    assert result.metrics["model/unused_checkpoint_weights"] == 9  # 7 linears and 2 norms of layer 1
+    assert any("model.layers.1." in note for note in result.notes)
+    release(state)
+
+
+def test_a_missing_shard_is_refused_up_front_naming_the_file(folders, tmp_path):
+    folder = _copy(folders["tiny_mistral3"], tmp_path / "partial")
+    shard = sorted(folder.glob("model-*.safetensors"))[3]
+    shard.unlink()
+    with pytest.raises(ConfigError, match=rf"names 1 shard\(s\) that are not there: {shard.name}"):
+        check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
+
+
+def test_skip_loading_weights_runs_the_folders_config_with_random_weights(folders, tmp_path):
+    folder = _copy(folders["tiny_qwen2_5_vl"], tmp_path / "config-only")
+    for shard in folder.glob("*.safetensors"):
+        shard.unlink()
+    with pytest.raises(ConfigError, match="skip_loading_weights=true"):
+        check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
+    state, _ = _load(folder, tmp_path, "model.skip_loading_weights=true")
+    assert state.model_info.source == f"random (seed 0), config from {folder}"
+    assert state.model_info.language_model_paths == ["model.language_model"]
+    release(state)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        (
+            '[[{role: user, content: [{type: image, url: "https://example.com/a.png"}]}]]',
+            "download it and give its local path",
+        ),
+        ("[[{role: user, content: [{type: image, url: /no/such.png}]}]]", "not a file here"),
+        ("[[{role: wizard, content: hi}]]", "must be a message"),
+        ("[[{role: user, content: [{type: audio}]}]]", r"content\[0\] must be"),
+    ],
+)
+def test_query_mistakes_are_config_errors_before_loading(folders, query, message):
+    overrides = ["model=hf", f"model.checkpoint={folders['tiny_mistral3']}", f"prompt.queries={query}"]
+    with pytest.raises(ConfigError, match=message):
+        check_config(compose_dict(overrides), cuda_available=False)
+
+
+def test_chat_queries_need_a_chat_template(folders, tmp_path):
+    folder = _copy(folders["tiny_magistral"], tmp_path / "no-template")
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    overrides = ["model=hf", f"model.checkpoint={folder}", "prompt.queries=[[{role: user, content: hi}]]"]
+    with pytest.raises(
+        ConfigError, match=r"prompt.queries\[0\] is chat messages, and model.checkpoint has no chat template"
+    ):
+        check_config(compose_dict(overrides), cuda_available=False)
+    check_config(
+        compose_dict([*overrides[:2], "prompt.queries=[hi there]"]), cuda_available=False
+    )  # text is fine
+
+
+def test_a_vlm_without_a_language_model_lists_the_candidates():
+    """A text config that no module matches (4 layers asked, the model has 2): exit 2 listing every
+    module with layers."""
+    overrides = ["model=tiny_mistral3", "+model.model_kwargs.text_config.vocab_size=1000"]
+    checked = check_config(compose_dict(overrides), cuda_available=False)  # found: vocab follows the config
+    assert checked.model_cls.__name__ == "Mistral3ForConditionalGeneration"
+    from pipeline.models import meta
+
+    skeleton = meta.meta_model(checked.model_cls, checked.hf_config)
+    text = zoo.text_config_of(checked.hf_config)
+    text.num_hidden_layers = 4  # the config no longer describes the built model
+    with pytest.raises(
+        ConfigError,
+        match=r"found no language model.*candidates: model.vision_tower.transformer \(PixtralTransformer, 1 layers\); model.language_model \(MistralModel, 2 layers, token embedding\)",
+    ):
+        meta.check_language_model(skeleton, text)
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_a_checkpoint_with_chat_and_image_queries(
+    folders, photo, tmp_path, tracking_uri
+):
+    queries = hydra_value(_queries("tiny_qwen2_5_vl", photo))
+    proc = run_pipeline(
+        [
+            "model=hf",
+            f"model.checkpoint={folders['tiny_qwen2_5_vl']}",
+            "+model.model_kwargs.text_config.num_hidden_layers=1",
+            f"prompt.queries={queries}",
+            "prompt.batch_size=6",
+            "runtime.max_batch_size=2",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    metrics = summary["metrics"]
+    assert metrics["generation/requests"] == 6 and metrics["model/unused_checkpoint_weights"] > 0
+    assert metrics["latency/ttft_ms"] >= metrics["latency/queue_ms"] and metrics["latency/tpot_ms"] > 0
+    assert "language model at: model.language_model" in (tmp_path / "run" / "pipeline.log").read_text()
+    phases = json.loads((tmp_path / "run" / "profile" / "profile.json").read_text())["phases"]
+    assert {"prefill", "prefill_2", "decode_1", "decode"} <= set(phases)  # a window per step, queued ones too
