@@ -96,6 +96,9 @@ class PromptConfig:
 class ProfileConfig:
     enabled: bool = True
     decode_steps: int = 8  # one profiling window each, after the prefill window
+    # eager: also profile the eager model (Hugging Face's, its captured parts swapped back) on the
+    # same workload, and compare module by module; none: the captured run only
+    reference: str = "eager"
     # category -> regex over kernel names (ATen op names on CPU); first match wins, else "other"
     kernel_categories: dict[str, str] = field(default_factory=dict)
     table_depth: int | None = 4  # printed tables: deepest level shown (None: all)
@@ -356,6 +359,7 @@ def check_model(model: ModelConfig) -> None:
 def check_outputs(cfg: PipelineConfig) -> None:
     """The profile, report and benchmark sections."""
     _positive("profile.decode_steps", cfg.profile.decode_steps)
+    _one_of("profile.reference", cfg.profile.reference, ("eager", "none"))
     for key in ("table_depth", "table_top_k"):
         if getattr(cfg.profile, key) is not None:
             _positive(f"profile.{key}", getattr(cfg.profile, key))

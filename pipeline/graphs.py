@@ -14,7 +14,8 @@ of the profiler's module ranges.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class GraphRecord:
     language_model_prefix: str = ""  # in a full graph of a VLM: where the decoder sits inside it
     cache_specs: list[CacheSpec] = field(default_factory=list)  # one per cached attention layer
     runtime_inputs: RuntimeInputs | None = None  # fills the cache and metadata inputs of a call
+    # The eager module the graph replaced (its weights are the graph's, or were before a rewrite
+    # copied them): what an eager reference profile runs in its place
+    original: nn.Module | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -134,3 +138,20 @@ def parse_range(name: str) -> tuple[str, str] | None:
         return None
     fqn, _, cls = name[len(RANGE_PREFIX) :].rpartition("|")
     return fqn, cls
+
+
+@contextlib.contextmanager
+def eager_graphs(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with every captured graph swapped back for the eager module it replaced (yields the
+    root: the original model when the whole model was captured); the graphs go back on exit."""
+    graphs = find_graphs(model)
+    if len(graphs) == 1 and graphs[0][1] is model:
+        yield record_of(model).original
+        return
+    for path, graph in graphs:
+        model.set_submodule(path, record_of(graph).original)
+    try:
+        yield model
+    finally:
+        for path, graph in graphs:
+            model.set_submodule(path, graph)

@@ -139,6 +139,9 @@ class _Kineto:
     def device_type(self):
         return self._device
 
+    def start_ns(self):
+        return 0
+
 
 def test_read_window_ties_device_events_to_launches():
     """A kernel in the tree under its launch, and a graph replay's kernels found only by their
@@ -272,7 +275,7 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     eager_run, eager, _ = _profile(tmp_path, "eager", ["capture=none", "backend=torch-simple"], tracking_uri)
 
     assert list(graph["phases"]) == ["prefill", "decode_1", "decode_2", "decode"]
-    assert graph["context"]["backend"] == "torch-simple" and graph["schema_version"] == 1
+    assert graph["context"]["backend"] == "torch-simple" and graph["schema_version"] == 2
     for profile, real_modules in ((graph, graph_modules), (eager, eager_modules)):
         for phase in profile["phases"].values():
             _check_sums(phase["model_stats"])
@@ -320,12 +323,14 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replays_group_under_the_runner(tmp_path, tracking_uri):
-    run, profile, proc = _profile(
-        tmp_path, "graphs", ["capture=partial", "backend=torch-cudagraph"], tracking_uri
-    )
+@pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
+def test_cuda_graph_replays_land_in_their_modules(backend, tmp_path, tracking_uri):
+    """A replay's kernels all sit at one cudaGraphLaunch: matched to the bucket's recorded kernel
+    sequence, they land in the decoder layers under the runner (attribution cudagraph_sequence)."""
+    run, profile, proc = _profile(tmp_path, backend, ["capture=partial", f"backend={backend}"], tracking_uri)
     assert "CUDAGraphRunner" in proc.stderr
-    decode = profile["phases"]["decode_1"]["model_stats"]
+    entry = profile["phases"]["decode_1"]
+    decode = entry["model_stats"]
 
     def find(node):
         if node["cls"] == "CUDAGraphRunner":
@@ -334,4 +339,11 @@ def test_cuda_graph_replays_group_under_the_runner(tmp_path, tracking_uri):
 
     runner = find(decode)
     assert runner is not None and runner["device_time_us"] > 0.5 * decode["device_time_us"]
-    assert any(c["kind"] == "kernel" for c in runner["children"])
+    layers = [
+        c for c in runner["children"] if c["kind"] == "module" and c["fqn"].rsplit(".", 1)[-1].isdigit()
+    ]
+    assert len(layers) == 2 and all(c["attribution"] == "cudagraph_sequence" for c in layers), runner[
+        "children"
+    ]
+    assert all(c["device_time_us"] > 0 for c in layers)
+    assert entry["attribution_pct"]["cudagraph_sequence"] > 50 and entry["layer_coverage_pct"] > 90

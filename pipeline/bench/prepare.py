@@ -1,6 +1,7 @@
 """The model a benchmark measures, prepared by the pipeline's own stages, so the bench measures what
-`python -m pipeline` runs: the composed, typed config, then `load`, and on request `export` and
-`transforms` (with their correctness checks) on a RunState whose files go to a temporary folder."""
+`python -m pipeline` runs: the composed, typed config, then `load`, and on request the later stages
+(`export`, `transforms` with their correctness checks, ...) on a RunState whose files go to a
+temporary folder. Tests use it to run stages in-process."""
 
 from __future__ import annotations
 
@@ -18,10 +19,17 @@ from pipeline.config import PipelineConfig, register_schemas, resolve_attention,
 from pipeline.devices import free_memory
 from pipeline.models import zoo
 from pipeline.runtime.engine import DemoLLM
-from pipeline.stages import export, load, transforms
+from pipeline.stages import capture, export, generate, load, profile, transforms
 from pipeline.state import RunState
 
-STAGES = {"load": load.run, "export": export.run, "transforms": transforms.run}
+STAGES = {
+    "load": load.run,
+    "export": export.run,
+    "transforms": transforms.run,
+    "capture": capture.run,
+    "generate": generate.run,
+    "profile": profile.run,
+}
 
 
 def compose(overrides: list[str]) -> PipelineConfig:

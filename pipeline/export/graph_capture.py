@@ -233,7 +233,7 @@ def export_module(
     _check_dynamic(program, captured)
     set_record(
         graph_module,
-        GraphRecord(path, getattr(module, "config", None), list(tensors), dict(constants)),
+        GraphRecord(path, getattr(module, "config", None), list(tensors), dict(constants), original=module),
     )
     _install_kwargs_adapter(graph_module, module)
     _keep_parent_interface(graph_module, module)

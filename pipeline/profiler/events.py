@@ -31,6 +31,10 @@ class ModuleSpan:
     params: list[tuple[str, list[int]]]
     start_ns: int
     end_ns: int
+    # How the span was found: module_range (an eager module's event or a module:: range recorded
+    # as it ran), inductor_provenance (compiled kernels mapped to nodes), cudagraph_sequence
+    # (replayed kernels matched to the sequence recorded for the graph)
+    attribution: str = "module_range"
 
 
 @dataclass
@@ -61,6 +65,13 @@ class DeviceEvent:
     duration_ns: int
     anchor_ns: int  # CPU time of the launch: where it sits in the module spans
     op: OpEvent | None  # the op that launched it, when it ran inside one
+    start_ns: int = 0  # on the device's clock: orders a replay's kernels
+    correlation: int = -1  # the launch's correlation id (one for all kernels of a graph replay)
+    launch: str = ""  # the runtime call that launched it: cudaLaunchKernel, cudaGraphLaunch, ...
+    # Set when the kernel's module is known other than by time (a CUDA-graph replay's kernels all
+    # sit at their launch's instant): ((fqn, class), ...) outermost first, and how it was found
+    stack: tuple[tuple[str, str], ...] | None = None
+    attribution: str = ""
 
 
 @dataclass
@@ -105,13 +116,15 @@ def _is_op(event) -> bool:
     return not event.name.startswith("ProfilerStep#")  # the schedule's own step marker
 
 
-def _device_events(prof) -> dict[tuple[int, str], list[int]]:
-    """(correlation id, name) -> durations of device events; all events of a graph replay share
-    their launch's correlation id."""
-    found: dict[tuple[int, str], list[int]] = {}
+def _device_events(prof) -> dict[tuple[int, str], list[tuple[int, int]]]:
+    """(correlation id, name) -> (duration, start) of device events; all events of a graph replay
+    share their launch's correlation id."""
+    found: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for event in prof.profiler.kineto_results.events():
         if event.device_type() == DeviceType.CUDA:
-            found.setdefault((event.correlation_id(), event.name()), []).append(event.duration_ns())
+            found.setdefault((event.correlation_id(), event.name()), []).append(
+                (event.duration_ns(), event.start_ns())
+            )
     return found
 
 
@@ -136,7 +149,7 @@ def read_window(prof, module_names: dict[int, str]) -> Window:
     device = _device_events(prof)
     window = Window(on_device=bool(device))
     claimed: set[tuple[int, str]] = set()
-    launches: dict[int, tuple[int, OpEvent | None]] = {}  # correlation id -> (CPU time, op) of a launch
+    launches: dict[int, tuple[int, OpEvent | None, str]] = {}  # correlation id -> (CPU time, op, call)
 
     def walk(event, op: OpEvent | None, anchor_ns: int) -> None:
         if span := _module_span(event, module_names):
@@ -152,23 +165,25 @@ def read_window(prof, module_names: dict[int, str]) -> Window:
             # A device event placed in the tree under its launch: it sits at the launch's CPU time.
             if key not in claimed:
                 claimed.add(key)
-                window.device += [DeviceEvent(event.name, d, anchor_ns, op) for d in device[key]]
+                launch = launches.get(event.correlation_id, (0, None, ""))[2]
+                window.device += [
+                    DeviceEvent(event.name, d, anchor_ns, op, t, event.correlation_id, launch)
+                    for d, t in device[key]
+                ]
             return
         if event.tag != _EventType.Kineto or event.name.startswith("cuda"):
             anchor_ns = event.start_time_ns  # a CPU-side event: python frame, op or runtime call
         if event.tag == _EventType.Kineto:
-            launches.setdefault(event.correlation_id, (anchor_ns, op))
+            launches.setdefault(event.correlation_id, (anchor_ns, op, event.name))
         for child in event.children:
             walk(child, op, anchor_ns)
 
     for root in thread_roots:
         walk(root, None, root.start_time_ns)
     # Device events the tree did not place: tie them to their launch by correlation id.
-    for (correlation, name), durations in device.items():
+    for (correlation, name), timings in device.items():
         if (correlation, name) in claimed:
             continue
-        anchor_ns, op = launches.get(correlation, (None, None))
-        window.device += [
-            DeviceEvent(name, d, anchor_ns if anchor_ns is not None else -1, op) for d in durations
-        ]
+        anchor_ns, op, launch = launches.get(correlation, (-1, None, ""))
+        window.device += [DeviceEvent(name, d, anchor_ns, op, t, correlation, launch) for d, t in timings]
     return window

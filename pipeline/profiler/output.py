@@ -1,13 +1,19 @@
 """profile.json (schema below, versioned) and the CSV tables, from the trees of each phase.
 
 profile.json:
-  schema_version: 1
+  schema_version: 2
   context: model, architecture, capture, backend, attention, dtype, device, workload, versions
-  phases: {prefill, decode_1 .. decode_N, decode (the mean of the decode windows)}: each with
-    step_ms (the engine's own time for the step, profiled), device_time_us, coverage_pct,
-    layer_coverage_pct, summary_stats and model_stats: trees of nodes
+  phases: {prefill (prefill_2.. when prompts queued or were chunked), decode_1 .. decode_N,
+    decode (the mean of the decode windows)}: each with
+    step_ms (the engine's own time for the step, profiled; for `decode` the mean of the windows',
+    step_ms_median beside it), statistic (which: "one window" or "mean of N windows"),
+    device_time_us (the same statistic), coverage_pct, layer_coverage_pct, attribution_pct (device
+    time by how it was attributed: module_range, inductor_provenance, cudagraph_sequence,
+    unattributed), summary_stats and model_stats: trees of nodes
       {name, kind, fqn, cls, params, shapes, trace, category, depth, cpu_time_us, device_time_us,
-       pct, invocations, children}
+       pct, invocations, attribution, children}
+  reference (profile.reference=eager): {what, phases}: the eager model's phases on the same workload
+  comparison: {prefill, decode: [{part, captured_ms, eager_ms, speedup}]}
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from typing import Any
 
 from pipeline.profiler.tree import Node
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE = (1, 2)  # version 1 lacks attribution, statistic and the eager reference
 CSV_COLUMNS = [
     "phase", "id", "parent_id", "depth", "kind", "name", "fqn", "cls", "category",
-    "cpu_time_us", "device_time_us", "pct", "invocations", "shapes", "trace",
+    "cpu_time_us", "device_time_us", "pct", "invocations", "attribution", "shapes", "trace",
 ]  # fmt: skip
 
 
@@ -32,8 +39,8 @@ def load(path: Path) -> dict[str, Any]:
         profile = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
-    if not isinstance(profile, dict) or profile.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path} is not a profile.json of schema_version {SCHEMA_VERSION}")
+    if not isinstance(profile, dict) or profile.get("schema_version") not in READABLE:
+        raise ValueError(f"{path} is not a profile.json of schema_version {' or '.join(map(str, READABLE))}")
     return profile
 
 
@@ -52,6 +59,7 @@ def to_dict(node: Node, depth: int = 0) -> dict[str, Any]:
         "device_time_us": round(node.device_time_us, 3),
         "pct": round(node.pct, 3),
         "invocations": node.invocations,
+        "attribution": node.attribution if node.kind == "module" else "",
         "children": [to_dict(c, depth + 1) for c in node.children.values()],
     }
 
@@ -84,3 +92,12 @@ def write_csv(path: Path, phases: dict[str, dict[str, Any]], table: str) -> None
         writer.writeheader()
         for phase, entry in phases.items():
             writer.writerows(csv_rows(phase, entry[table]))
+
+
+def write_comparison(path: Path, comparison: dict[str, list[dict[str, Any]]]) -> None:
+    """The captured-vs-eager rows of every phase, one CSV."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["phase", "part", "captured_ms", "eager_ms", "speedup"])
+        writer.writeheader()
+        for phase, rows in comparison.items():
+            writer.writerows({"phase": phase, **row} for row in rows)

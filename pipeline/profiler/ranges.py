@@ -32,7 +32,7 @@ EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 EXPORT_PLACEHOLDER = "_empty_nn_module_stack_from_metadata_hook"
 
 
-def _stack(node: fx.Node) -> list[tuple[str, str, str]] | None:
+def node_stack(node: fx.Node) -> list[tuple[str, str, str]] | None:
     """(key, module path, class name) of each module the node ran under, below the graph's root."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
@@ -60,7 +60,11 @@ def instrument(gm: fx.GraphModule, prefix: str) -> list[fx.Node]:
         if node.op == "output":
             close(0, node)
             break
-        if node.op != "call_function" or node.target is operator.getitem or (stack := _stack(node)) is None:
+        if (
+            node.op != "call_function"
+            or node.target is operator.getitem
+            or (stack := node_stack(node)) is None
+        ):
             continue
         shared = 0
         while shared < min(len(open_), len(stack)) and open_[shared][0] == stack[shared][0]:

@@ -14,7 +14,6 @@ import platform
 import statistics
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from pipeline.profiler import events, output, tables, tree
+from pipeline.profiler.attribution import Instrumentation, instrumented
 from pipeline.profiler.categories import Categorizer
-from pipeline.profiler.ranges import module_ranges
 from pipeline.runtime.engine import Generation
 
 
@@ -61,27 +60,24 @@ class WindowCollector:
 class ProfiledRun:
     windows: list[tuple[str, events.Window]]
     step_s: list[float]  # the profiled steps' own times, in order (a window each)
-    unprofiled: Generation  # the same workload without the profiler
+    unprofiled: Generation  # the same workload without the profiler, as the timed runs execute it
     profiled: Generation
-    instrumented: list[str] = field(default_factory=list)  # graphs that got module ranges
+    instrumentation: Instrumentation = field(default_factory=Instrumentation)
+    counts: dict[str, int] = field(default_factory=dict)  # calls attributed per way, over all windows
 
 
 def profile_steps(
-    model: nn.Module,
-    generate,
-    decode_steps: int,
-    trace_dir: Path,
-    on_cuda: bool,
-    module_ranges_in_graphs: bool,
+    model: nn.Module, generate, decode_steps: int, trace_dir: Path, on_cuda: bool, backend: str
 ) -> ProfiledRun:
-    """generate(max_new_tokens, after_step) runs the workload: once unprofiled, once profiled with one
-    window per step. Module ranges go into the graphs (when asked: only a graph that runs its own
-    forward shows them) for the profiled run only."""
+    """generate(max_new_tokens, after_step) runs the workload: once unprofiled as the timed runs run
+    it, then with the backend's graphs instrumented (attribution.py; a compiled variant warms up
+    first, outside any window), once profiled with one window per step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     unprofiled = generate(decode_steps + 1, lambda kind: None)
     collector = WindowCollector(trace_dir, {})
-    ranges = module_ranges(model) if module_ranges_in_graphs else nullcontext([])
-    with ranges as instrumented, warnings.catch_warnings():
+    with instrumented(model, backend, on_cuda) as instrumentation, warnings.catch_warnings():
+        if instrumentation.recorders:
+            generate(decode_steps + 1, lambda kind: None)  # compiles the profiled variants
         # warmup=0 is deliberate: windows are consecutive steps, and the warm-up ran above.
         warnings.filterwarnings("ignore", message=".*warmup.*")
         warnings.filterwarnings("ignore", message=".*clears events.*")
@@ -102,7 +98,11 @@ def profile_steps(
     step_s = [s.seconds for s in profiled.steps]
     if len(collector.windows) != len(step_s):
         raise WindowsMissing(f"the profiler closed {len(collector.windows)} windows for {len(step_s)} steps")
-    return ProfiledRun(collector.windows, step_s, unprofiled, profiled, list(instrumented))
+    counts: dict[str, int] = {}
+    for _, window in collector.windows:  # after the windows: attribution never runs inside one
+        for way, n in instrumentation.apply(window).items():
+            counts[way] = counts.get(way, 0) + n
+    return ProfiledRun(collector.windows, step_s, unprofiled, profiled, instrumentation, counts)
 
 
 def context(device: torch.device, **run: Any) -> dict[str, Any]:
@@ -119,34 +119,40 @@ def context(device: torch.device, **run: Any) -> dict[str, Any]:
     }
 
 
-def _entry(root: tree.Node, step_s: float) -> dict[str, Any]:
+def _entry(root: tree.Node, step_ms: float, statistic: str) -> dict[str, Any]:
     attributed, in_layers = tree.coverage(root)
     return {
-        "step_ms": 1000 * step_s,
+        "step_ms": step_ms,
         "device_time_us": root.device_time_us,
+        "statistic": statistic,
         "coverage_pct": attributed,
         "layer_coverage_pct": in_layers,
+        "attribution_pct": tree.attribution_pct(root),
         "summary_stats": output.to_dict(tree.summary_tree(root)),
         "model_stats": output.to_dict(root),
     }
 
 
 def phases_of(run: ProfiledRun, categories: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """profile.json's phases: one per window, and `decode`, the mean of the decode windows."""
+    """profile.json's phases: one per window, and `decode`, the mean of the decode windows (its step
+    time the mean of theirs too, so the two numbers describe the same average step)."""
     categorize = Categorizer(categories)
     trees = [tree.model_tree(window, phase, categorize) for phase, window in run.windows]
     phases = {
-        phase: _entry(root, step_s)
+        phase: _entry(root, 1000 * step_s, "one window")
         for (phase, _), root, step_s in zip(run.windows, trees, run.step_s, strict=True)
     }
     decode = [i for i, (phase, _) in enumerate(run.windows) if phase.startswith("decode_")]
     if decode:
+        windows = [run.windows[i][0] for i in decode]
         phases["decode"] = {
             **_entry(
                 tree.mean_tree([trees[i] for i in decode], "decode"),
-                statistics.median(run.profiled.decode_step_s),
+                statistics.mean(1000 * run.step_s[i] for i in decode),
+                f"mean of {len(decode)} windows",
             ),
-            "mean_of": [run.windows[i][0] for i in decode],
+            "step_ms_median": statistics.median(1000 * run.step_s[i] for i in decode),
+            "mean_of": windows,
         }
     return phases
 
@@ -161,7 +167,9 @@ def _weighted(phases: dict[str, dict], key: str) -> float:
 def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
     profiled, unprofiled = run.profiled, run.unprofiled
     decode = statistics.median(profiled.decode_step_s)
-    return {
+    steps = [e for name, e in phases.items() if name != "decode"]
+    total = sum(e["device_time_us"] for e in steps)
+    metrics = {
         "profile/prefill_ms": 1000 * profiled.prefill_s,
         "profile/decode_ms": 1000 * decode,
         "profile/overhead_ratio": decode / statistics.median(unprofiled.decode_step_s),
@@ -170,15 +178,28 @@ def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
         "profile/layer_coverage_pct": _weighted(phases, "layer_coverage_pct"),
         "profile/windows": len(run.windows),
     }
+    for way in tree.ATTRIBUTIONS:  # the share of device time each way attributed, all windows
+        share = sum(e["attribution_pct"][way] * e["device_time_us"] for e in steps) / total if total else 0.0
+        metrics[f"profile/attributed_{way}_pct"] = share
+    return metrics
+
+
+def layer_coverage(phases: dict[str, dict], prefix: str) -> float:
+    """The layer coverage of the phases whose names start with prefix (prefill, decode_)."""
+    chosen = {name: e for name, e in phases.items() if name.startswith(prefix) and name != "decode"}
+    return _weighted(chosen, "layer_coverage_pct")
 
 
 def write(
-    folder: Path, context: dict, phases: dict, depth: int | None, top_k: int | None
+    folder: Path, context: dict, phases: dict, depth: int | None, top_k: int | None, extra: dict | None = None
 ) -> tuple[list[Path], str]:
-    """profile.json, the two CSV tables and tables.txt; returns the files and the printed tables."""
+    """profile.json (with `extra`: the eager reference and the comparison), the two CSV tables and
+    tables.txt; returns the files and the printed tables."""
     profile_json = folder / "profile.json"
     profile_json.write_text(
-        json.dumps({"schema_version": output.SCHEMA_VERSION, "context": context, "phases": phases})
+        json.dumps(
+            {"schema_version": output.SCHEMA_VERSION, "context": context, "phases": phases, **(extra or {})}
+        )
     )
     model_csv, summary_csv = folder / "model_stats.csv", folder / "summary_stats.csv"
     output.write_csv(model_csv, phases, "model_stats")
@@ -190,4 +211,9 @@ def write(
     )
     tables_txt = folder / "tables.txt"
     tables_txt.write_text(printed + "\n")
-    return [profile_json, model_csv, summary_csv, tables_txt], printed
+    files = [profile_json, model_csv, summary_csv, tables_txt]
+    if extra and "comparison" in extra:
+        comparison_csv = folder / "comparison.csv"
+        output.write_comparison(comparison_csv, extra["comparison"])
+        files.append(comparison_csv)
+    return files, printed

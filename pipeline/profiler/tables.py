@@ -60,8 +60,9 @@ def phase_table(profile: dict[str, Any], phase: str, table: str, depth: int | No
     if table not in ("summary", "model"):
         raise KeyError(f"no table {table!r}: use summary or model")
     entry = phases[phase]
+    statistic = f" ({entry['statistic']})" if entry.get("statistic") else ""
     title = (
-        f"{phase} {table} table: step {entry['step_ms']:.2f} ms, device time {entry['device_time_us']:.0f} us, "
-        f"coverage {entry['coverage_pct']:.1f} %"
+        f"{phase} {table} table{statistic}: step {entry['step_ms']:.2f} ms, device time "
+        f"{entry['device_time_us']:.0f} us, coverage {entry['coverage_pct']:.1f} %"
     )
     return format_table(entry[f"{table}_stats"], title, depth, top_k)

@@ -43,6 +43,7 @@ class Node:
     pct: float = 0.0
     children: dict[tuple, Node] = field(default_factory=dict)
     direct_us: float = 0.0  # device time of this module's own ops (its kernel leaves break it down)
+    attribution: str = ""  # modules: how their time was found (events.ModuleSpan.attribution)
 
     def child(self, key: tuple, make: Callable[[], Node]) -> Node:
         if key not in self.children:
@@ -60,6 +61,22 @@ def _kernel_leaf(owner: Node, name: str, shapes: list[list[int]], trace: list[st
     return owner.child(
         key, lambda: Node(name, "kernel", fqn=owner.fqn, shapes=shapes, trace=key[2], category=category)
     )
+
+
+def _under(owner: Node, stack: tuple[tuple[str, str], ...], attribution: str) -> Node:
+    """The module node of a kernel whose module is known by its stack, below the span open at its
+    launch (the CUDA-graph runner, a graph module): entries that are that span or above it are
+    skipped, the rest nested under it."""
+    node = owner
+    for fqn, cls in stack:
+        if owner.fqn == fqn or owner.fqn.startswith(fqn + "."):
+            continue
+        node = node.child(
+            ("module", fqn),
+            lambda fqn=fqn, cls=cls: Node(_short(fqn) or cls, "module", fqn, cls, attribution=attribution),
+        )
+        node.invocations = max(node.invocations, 1)
+    return node
 
 
 def _total(node: Node) -> float:
@@ -96,7 +113,12 @@ def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> 
             node = parent.child(
                 ("module", span.fqn),
                 lambda span=span: Node(
-                    _short(span.fqn) or span.cls, "module", span.fqn, span.cls, span.params
+                    _short(span.fqn) or span.cls,
+                    "module",
+                    span.fqn,
+                    span.cls,
+                    span.params,
+                    attribution=span.attribution,
                 ),
             )
             node.cpu_time_us += (span.end_ns - span.start_ns) / 1000
@@ -122,6 +144,8 @@ def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> 
             event = window.device[index]
             trace = event.op.trace() if event.op else []
             shapes = event.op.shapes if event.op else []
+            if event.stack:
+                target = _under(target, event.stack, event.attribution)
             leaf = _kernel_leaf(target, event.name, shapes, trace, categorize(event.name))
             leaf.device_time_us += event.duration_ns / 1000
             leaf.invocations += 1
@@ -156,7 +180,17 @@ def _merge_into(
         key = key_of(c)
         merged = target.child(
             key,
-            lambda c=c: Node(c.name, c.kind, fqn_of(c.fqn), c.cls, c.params, c.shapes, c.trace, c.category),
+            lambda c=c: Node(
+                c.name,
+                c.kind,
+                fqn_of(c.fqn),
+                c.cls,
+                c.params,
+                c.shapes,
+                c.trace,
+                c.category,
+                attribution=c.attribution,
+            ),  # fmt: skip
         )
         _merge_into(merged, c, key_of, fqn_of, scale)
 
@@ -194,14 +228,42 @@ def mean_tree(trees: list[Node], phase: str) -> Node:
     return root
 
 
+RUNTIME = "runtime"  # the kernel category of torch.compile's own work around a compiled call
+
+
 def coverage(root: Node) -> tuple[float, float]:
     """(percent of device time inside any module, percent of the layer stacks' device time inside
-    a layer or deeper). A layer stack is the module that holds `layers.N`."""
+    a layer or deeper). A layer stack is the module that holds `layers.N`; its time here leaves out
+    what torch.compile's runtime spends around the call (guards, wrappers: category `runtime`),
+    which is host work of no layer, shown as its own leaves."""
     total = root.device_time_us
     outside = sum(c.device_time_us for c in root.children.values() if c.kind == "unattributed")
     attributed = 100 * (total - outside) / total if total else 0.0
     layers = [n for n in root.walk() if n.kind == "module" and LAYER.search(n.fqn)]
-    stacks = {LAYER.sub("", n.fqn) for n in layers}
-    stack_time = sum(n.device_time_us for n in root.walk() if n.kind == "module" and n.fqn in stacks)
+    stack_names = {LAYER.sub("", n.fqn) for n in layers}
+    stacks = [n for n in root.walk() if n.kind == "module" and n.fqn in stack_names]
+    runtime = sum(
+        c.device_time_us
+        for n in stacks
+        for c in n.children.values()
+        if c.kind == "kernel" and c.category == RUNTIME
+    )
+    stack_time = sum(n.device_time_us for n in stacks) - runtime
     in_layers = sum(n.device_time_us for n in layers)
     return attributed, (100 * in_layers / stack_time if stack_time else 0.0)
+
+
+ATTRIBUTIONS = ("module_range", "inductor_provenance", "cudagraph_sequence", "unattributed")
+
+
+def attribution_pct(root: Node) -> dict[str, float]:
+    """Percent of the phase's device time by how it was attributed: the kernel leaves of modules
+    found each way, and `unattributed` (outside every module)."""
+    total = root.device_time_us
+    shares = dict.fromkeys(ATTRIBUTIONS, 0.0)
+    for node in root.walk():
+        if node.kind == "unattributed":
+            shares["unattributed"] += node.device_time_us
+        elif node.kind == "module":
+            shares[node.attribution or "module_range"] += node.direct_us
+    return {k: 100 * v / total if total else 0.0 for k, v in shares.items()}

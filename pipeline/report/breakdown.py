@@ -121,3 +121,43 @@ def breakdown(
 ) -> dict[str, dict[str, float]]:
     """phase -> {part: device ms per step}, the same parts in every phase."""
     return align({phase: parts_of(profile, phase, level, depth) for phase in phases_of(profile, phases)}, top)
+
+
+def comparison(
+    captured: dict[str, Any], eager: dict[str, Any], phases=("prefill", "decode")
+) -> dict[str, list]:
+    """Per phase, per module part (module_buckets): device ms per step of the captured run and of the
+    eager reference on the same workload, and the speedup (eager / captured), largest parts first;
+    a `total` row last. Parts only one side has (a fused projection, the attention plan) are rows
+    with 0 on the other side."""
+    out: dict[str, list] = {}
+    for phase in phases:
+        if phase not in captured or phase not in eager:
+            continue
+        ours = module_buckets(captured[phase]["summary_stats"])
+        theirs = module_buckets(eager[phase]["summary_stats"])
+        names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
+        rows = [_compared(name, ours.get(name, 0.0), theirs.get(name, 0.0)) for name in names]
+        rows.append(_compared("total", captured[phase]["device_time_us"], eager[phase]["device_time_us"]))
+        out[phase] = rows
+    return out
+
+
+def _compared(part: str, captured_us: float, eager_us: float) -> dict[str, Any]:
+    return {
+        "part": part,
+        "captured_ms": captured_us / 1000,
+        "eager_ms": eager_us / 1000,
+        "speedup": eager_us / captured_us if captured_us else None,
+    }
+
+
+def comparison_table(rows: list[dict[str, Any]], phase: str, top: int = 12) -> str:
+    header = f"{'part':<60} {'captured ms':>12} {'eager ms':>10} {'eager/captured':>15}"
+    lines = [f"{phase}: captured vs eager (Hugging Face), device ms per step", header, "-" * len(header)]
+    shown = [r for r in rows if r["part"] != "total"][:top] + [r for r in rows if r["part"] == "total"]
+    for r in shown:
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        name = r["part"] if len(r["part"]) <= 60 else "..." + r["part"][-57:]
+        lines.append(f"{name:<60} {r['captured_ms']:>12.3f} {r['eager_ms']:>10.3f} {speedup:>15}")
+    return "\n".join(lines)

@@ -205,6 +205,22 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
             section.blocks.append(Pre(phase_table(profile, phase, "summary", depth=3, top_k=6)))
     record = next((r for r in state.stages if r.name == "profile"), None)
     section.blocks += record.notes if record else []
+    for phase, rows in profile.get("comparison", {}).items():
+        section.blocks.append(
+            Table(
+                [f"{phase}: part", "captured ms", "eager ms", "eager / captured"],
+                [
+                    [
+                        r["part"],
+                        r["captured_ms"],
+                        r["eager_ms"],
+                        f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                    ]
+                    for r in rows
+                    if r["part"] == "total" or r["captured_ms"] + r["eager_ms"] > 0.01 * rows[-1]["eager_ms"]
+                ],
+            )
+        )
     section.blocks += plot_notes
     section.blocks += [Image(png, PLOT_CAPTIONS.get(key, key)) for key, png in plots.items()]
     return section

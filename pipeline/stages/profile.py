@@ -1,5 +1,7 @@
 """profile: demollm's prefill and decode steps under torch.profiler, one window per step, read
-into module trees (model and summary views), tables, CSV, profile.json and a Chrome trace per phase.
+into module trees (model and summary views), tables, CSV, profile.json and a Chrome trace per phase;
+inside captured graphs too (pipeline/profiler/attribution.py), and beside them the eager model on
+the same workload (profile.reference=eager), compared module by module.
 
 The workload is the configured one (prompt.batch_size x prompt.prompt_len), for
 profile.decode_steps decode steps with EOS ignored, so every window exists; an unprofiled
@@ -13,17 +15,22 @@ import logging
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
+from pipeline.graphs import eager_graphs
 from pipeline.profiler import session
+from pipeline.report.breakdown import comparison, comparison_table
+from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
+from pipeline.transforms.registry import model_passes_undone
 
 log = logging.getLogger(__name__)
 
-COARSE = {
-    "torch-compile": "a compiled graph shows as one module (its kernels are Inductor's)",
-    "torch-cudagraph": "kernels of CUDA graph replays group under CUDAGraphRunner",
-    "torch-opt": "kernels of CUDA graph replays group under CUDAGraphRunner",
+WAYS = {
+    "torch-simple": "module ranges in the graphs",
+    "torch-compile": "Inductor's kernels mapped to graph nodes (provenance) in a profiled compiled variant",
+    "torch-cudagraph": "module ranges; CUDA-graph replays matched to each bucket's recorded kernel sequence",
+    "torch-opt": "Inductor provenance; CUDA-graph replays matched to each bucket's recorded kernel sequence",
 }
 
 
@@ -43,45 +50,69 @@ def _context(state: RunState) -> dict:
     )
 
 
+def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> session.ProfiledRun:
+    cfg = state.cfg
+    requests = build_requests(
+        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
+        chunked=cfg.capture.mode != "none",
+    )  # fmt: skip
+    params = SamplingParams(**vars(cfg.runtime.sampling))
+
+    def generate(max_new_tokens, after_step):
+        maybe_fail("profile")
+        return engine.generate(requests, max_new_tokens, params, cfg.seed, after_step=after_step)
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    eos, engine.eos_ids = engine.eos_ids, set()  # every window exists: no early stop
+    try:
+        return session.profile_steps(
+            engine.runner.model,
+            generate,
+            cfg.profile.decode_steps,
+            trace_dir,
+            state.device.type == "cuda",
+            backend,
+        )
+    except session.WindowsMissing as exc:
+        raise StageFailure(str(exc)) from exc
+    finally:
+        engine.eos_ids = eos
+
+
+def _eager_reference(state: RunState) -> session.ProfiledRun:
+    """The same workload on the model as Hugging Face built it: graphs swapped back for the modules
+    they replaced, model-scope rewrites of the eager parts undone, HF's attention and cache."""
+    with model_passes_undone(state.model, state.transform_history), eager_graphs(state.model) as eager:
+        engine = DemoLLM(eager, state.hf_config, state.cfg.runtime, state.device, set())
+        return _profiled(state, engine, state.run_dir / "traces" / "eager", "torch-simple")
+
+
 def run(state: RunState) -> StageResult:
     cfg = state.cfg
     if not cfg.profile.enabled:
         return StageResult(notes=["profile.enabled=false: not profiled"])
     if state.engine is None:
         raise StageFailure("nothing to profile: the generate stage built no engine")
-    engine, steps = state.engine, cfg.profile.decode_steps
-    requests = build_requests(
-        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
-        chunked=cfg.capture.mode != "none",
-    )  # fmt: skip
-    params = SamplingParams(**vars(cfg.runtime.sampling))
     folder, trace_dir = state.run_dir / "profile", state.run_dir / "traces"
     folder.mkdir(parents=True, exist_ok=True)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-
-    def generate(max_new_tokens, after_step):
-        maybe_fail("profile")
-        return engine.generate(requests, max_new_tokens, params, cfg.seed, after_step=after_step)
-
-    eos, engine.eos_ids = engine.eos_ids, set()  # every window exists: no early stop
-    try:
-        # Graph ranges only change a graph that runs its own forward (torch-simple).
-        profiled = session.profile_steps(
-            state.model,
-            generate,
-            steps,
-            trace_dir,
-            state.device.type == "cuda",
-            state.backend == "torch-simple",
-        )
-    except session.WindowsMissing as exc:
-        raise StageFailure(str(exc)) from exc
-    finally:
-        engine.eos_ids = eos
-    phases = session.phases_of(profiled, cfg.profile.kernel_categories)
+    profiled = _profiled(state, state.engine, trace_dir, state.backend)
+    categories = cfg.profile.kernel_categories
+    phases = session.phases_of(profiled, categories)
+    extra, notes = {}, []
+    if cfg.profile.reference == "eager" and state.captured:
+        eager_phases = session.phases_of(_eager_reference(state), categories)
+        extra = {"reference": {"what": "eager (Hugging Face)", "phases": eager_phases}}
+        extra["comparison"] = comparison(phases, eager_phases)
+    elif cfg.profile.reference == "eager":
+        notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
     files, printed = session.write(
-        folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k
+        folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra
     )
+    if "comparison" in extra:
+        printed += "\n\n" + "\n\n".join(
+            comparison_table(rows, phase) for phase, rows in extra["comparison"].items()
+        )
+        (folder / "tables.txt").write_text(printed + "\n")
     log.info(
         "profile tables (depth %s, top %s per node):\n%s",
         cfg.profile.table_depth,
@@ -89,18 +120,30 @@ def run(state: RunState) -> StageResult:
         printed,
     )
     metrics = session.metrics_of(profiled, phases)
+    metrics["profile/prefill_layer_coverage_pct"] = session.layer_coverage(phases, "prefill")
+    metrics["profile/decode_layer_coverage_pct"] = session.layer_coverage(phases, "decode_")
+    for phase, rows in extra.get("comparison", {}).items():
+        total = rows[-1]
+        if total["speedup"] is not None:
+            metrics[f"profile/{phase}_speedup_vs_eager"] = total["speedup"]
     notes = [
         f"{len(profiled.windows)} windows ({', '.join(name for name, _ in profiled.windows[:2])}, ...); profiled decode "
         f"{metrics['profile/decode_ms']:.2f} ms/step = {metrics['profile/overhead_ratio']:.2f}x unprofiled",
         f"coverage: {metrics['profile/coverage_pct']:.1f} % of device time in a module, "
-        f"{metrics['profile/layer_coverage_pct']:.1f} % of the layer stacks' time in a layer or deeper",
+        f"{metrics['profile/layer_coverage_pct']:.1f} % of the layer stacks' time in a layer or deeper "
+        f"(prefill {metrics['profile/prefill_layer_coverage_pct']:.1f} %, decode "
+        f"{metrics['profile/decode_layer_coverage_pct']:.1f} %)",
+        *notes,
     ]
-    if profiled.instrumented:
-        notes.append(f"module ranges from nn_module_stack in {', '.join(profiled.instrumented)}")
-    if state.backend in COARSE:
+    if state.captured and state.backend in WAYS:
+        counted = ", ".join(f"{n} {way}" for way, n in profiled.counts.items())
+        notes.append(f"inside the graphs: {WAYS[state.backend]}" + (f" ({counted} calls)" if counted else ""))
+    if "comparison" in extra:
+        speedups = [
+            f"{k.split('/')[1]} {v:.2f}x" for k, v in metrics.items() if k.endswith("_speedup_vs_eager")
+        ]
         notes.append(
-            f"backend {state.backend}: {COARSE[state.backend]}; finer attribution needs "
-            "backend=torch-simple or capture=none"
+            f"against the eager model on the same workload (device time per step): {', '.join(speedups)}"
         )
     notes.append(f"profile.json, CSV tables and tables.txt in {folder}; Chrome traces in {trace_dir}")
     return StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes)

@@ -113,11 +113,14 @@ class InsertCachedAttention(Transform):
             )
         )
         metadata = [inputs[m] for m in METADATA]
-        # Once per step, before the first layer: every packed token's sequence, offset, position
-        # and cache slot, which all layers share.
+        # Once per step, in the first layer's attention: every packed token's sequence, offset,
+        # position and cache slot, which all layers share. It takes that attention's module stack,
+        # so a profile counts it there whatever the backend (ranges, or Inductor's provenance).
         with gm.graph.inserting_before(nodes[0]):
             plan = gm.graph.call_function(PLAN, (nodes[0].args[0], inputs[specs[0].input_name], *metadata))
             tokens = [gm.graph.call_function(operator.getitem, (plan, i)) for i in range(4)]
+        if "nn_module_stack" in nodes[0].meta:
+            plan.meta["nn_module_stack"] = dict(nodes[0].meta["nn_module_stack"])
         for spec, node in zip(specs, nodes, strict=True):
             q, k, v, _mask, scale, _is_causal = node.args
             window, chunk = _window_and_chunk(record.text_config, _layer_index(node))

@@ -13,7 +13,9 @@ its shared config.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -125,6 +127,9 @@ class TransformRecord:
 @dataclass
 class TransformHistory:
     records: list[TransformRecord] = field(default_factory=list)
+    # The module tables before the first model pass: what the eager parts were (for an eager
+    # reference, model_passes_undone); the modules themselves, not copies
+    eager_tables: _Tables | None = field(default=None, repr=False)
 
     def matches(self, transform: str) -> int:
         return sum(r.matches for r in self.records if r.transform == transform)
@@ -149,11 +154,23 @@ def _node_count(module: nn.Module) -> int:
     return sum(len(m.graph.nodes) for m in module.modules() if isinstance(m, fx.GraphModule))
 
 
-class _Snapshot:
+class _Tables:
+    """The attribute tables of a module tree: which parameters, buffers and children each holds."""
+
+    def __init__(self, root: nn.Module, modules: list[nn.Module] | None = None):
+        modules = list(root.modules()) if modules is None else modules
+        self.tables = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules]
+
+    def restore(self) -> None:
+        for module, params, buffers, modules in self.tables:
+            module._parameters, module._buffers, module._modules = params, buffers, modules
+
+
+class _Snapshot(_Tables):
     """Enough of a module tree to undo a failed rewrite: its graphs and its attribute tables."""
 
     def __init__(self, root: nn.Module):
-        self.tables = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in root.modules()]
+        super().__init__(root)
         self.graphs = []
         for m in root.modules():
             if isinstance(m, fx.GraphModule):
@@ -164,8 +181,7 @@ class _Snapshot:
                 self.graphs.append((m, graph))
 
     def restore(self) -> None:
-        for module, params, buffers, modules in self.tables:
-            module._parameters, module._buffers, module._modules = params, buffers, modules
+        super().restore()
         for module, graph in self.graphs:
             module.graph = graph
             module.recompile()
@@ -194,6 +210,8 @@ def run_transforms(
             )
             continue
         for scope in transform.run_scopes:
+            if scope == "model" and history.eager_tables is None:
+                history.eager_tables = _Tables(model, [m for _, m in eager_modules(model)])
             targets: list[tuple[str, nn.Module]] = [("model", model)] if scope == "model" else graphs
             for name, target in targets:
                 history.records.append(_apply_one(transform, scope, name, target, ctx))
@@ -232,3 +250,18 @@ def eager_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for path, module in model.named_modules()
         if not any(path == g or path.startswith(g + ".") or g == "" for g in graphs)
     ]
+
+
+@contextlib.contextmanager
+def model_passes_undone(model: nn.Module, history: TransformHistory | None) -> Iterator[None]:
+    """The eager parts as they were before any model-scope rewrite (nn.Linear for OneDNNLinear,
+    HF's RMSNorm modules), for the duration; the rewritten ones are back on exit."""
+    if history is None or history.eager_tables is None:
+        yield
+        return
+    current = _Tables(model, [m for _, m in eager_modules(model)])
+    history.eager_tables.restore()
+    try:
+        yield
+    finally:
+        current.restore()
