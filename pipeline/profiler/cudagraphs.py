@@ -47,24 +47,30 @@ def replays(window: Window) -> list[list[DeviceEvent]]:
     return [sorted(group, key=lambda e: e.start_ns) for group in groups.values()]
 
 
+def assign(
+    launched: list[DeviceEvent], sequences: list[list[tuple[str, Stack]]], attribution: str
+) -> tuple[int, int]:
+    """Set the stack of each kernel of one launch group (in device order) from the sequence that
+    explains most of them; returns (attributed, unattributed)."""
+    names = [event.name for event in launched]
+    best = max(
+        (align(names, sequence) for sequence in sequences),
+        key=lambda stacks: sum(bool(s) for s in stacks),
+        default=[None] * len(names),
+    )
+    attributed = 0
+    for event, stack in zip(launched, best, strict=True):
+        if stack:
+            event.stack, event.attribution = stack, attribution
+            attributed += 1
+    return attributed, len(launched) - attributed
+
+
 def attribute(window: Window, sequences: list[list[tuple[str, Stack]]]) -> tuple[int, int]:
     """Set the stack of every replayed kernel the best-matching recorded sequence explains;
     returns (attributed, unattributed) kernel counts."""
-    attributed = unattributed = 0
-    for replay in replays(window):
-        names = [event.name for event in replay]
-        best = max(
-            (align(names, sequence) for sequence in sequences),
-            key=lambda stacks: sum(s is not None for s in stacks),
-            default=[None] * len(names),
-        )
-        for event, stack in zip(replay, best, strict=True):
-            if stack:
-                event.stack, event.attribution = stack, "cudagraph_sequence"
-                attributed += 1
-            else:
-                unattributed += 1
-    return attributed, unattributed
+    counts = [assign(replay, sequences, "cudagraph_sequence") for replay in replays(window)]
+    return sum(a for a, _ in counts), sum(u for _, u in counts)
 
 
 def recorded(window: Window) -> list[tuple[str, Stack]]:

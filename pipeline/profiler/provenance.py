@@ -234,7 +234,7 @@ def attribute_device(window: Window, graphs: dict[int, GraphSites]) -> tuple[int
     """On a GPU: the device kernels each compiled-graph call launched, in device order, matched by
     name and position to the sites of the graph that explains most of them (Triton kernel names
     carry no graph id). Sets each matched kernel's stack; returns (attributed, unattributed)."""
-    from pipeline.profiler.cudagraphs import align
+    from pipeline.profiler.cudagraphs import assign
 
     by_call: dict[int, list] = {}
     for event in window.device:
@@ -243,20 +243,9 @@ def attribute_device(window: Window, graphs: dict[int, GraphSites]) -> tuple[int
             op = op.parent
         if op is not None and event.launch != "cudaGraphLaunch":
             by_call.setdefault(id(op), []).append(event)
-    attributed = unattributed = 0
     sequences = [[(site.event, site.stack) for site in graph.sites] for graph in graphs.values()]
-    for launched in by_call.values():
-        launched.sort(key=lambda e: e.start_ns)
-        names = [e.name for e in launched]
-        best = max(
-            (align(names, sequence) for sequence in sequences),
-            key=lambda stacks: sum(bool(s) for s in stacks),
-            default=[None] * len(names),
-        )
-        for event, stack in zip(launched, best, strict=True):
-            if stack:
-                event.stack, event.attribution = stack, "inductor_provenance"
-                attributed += 1
-            else:
-                unattributed += 1
-    return attributed, unattributed
+    counts = [
+        assign(sorted(launched, key=lambda e: e.start_ns), sequences, "inductor_provenance")
+        for launched in by_call.values()
+    ]
+    return sum(a for a, _ in counts), sum(u for _, u in counts)
