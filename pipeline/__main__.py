@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import sweep
-from pipeline.config import PipelineConfig, register_schemas, typed, validate
+from pipeline.config import PipelineConfig, register_schemas, resolve_attention, runs_on_cuda, typed, validate
 from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
 from pipeline.sweep import record_job_failure
@@ -105,13 +105,36 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     folder = model_cfg.checkpoint
     queries.check(parsed, has_tokenizer(folder), chat_template_of(folder) is not None, zoo.is_vlm(hf_config))
     check_images(config.prompt.images, hf_config)
-    check_workload(config, hf_config, Sources(load_tokenizer(folder), checkpoint_image_processor(folder)))
     model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)
+    check_workload(
+        config, hf_config, Sources(load_tokenizer(folder), checkpoint_image_processor(folder), skeleton)
+    )
+    check_attention_options(config, hf_config, cuda_available)
     meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)
     if config.capture.mode == "partial" and not config.capture.submodules and zoo.is_vlm(hf_config):
         meta.check_language_model(skeleton, zoo.text_config_of(hf_config))
     return CheckedConfig(config, hf_config, model_cls, meta.parameter_count(skeleton))
+
+
+def check_attention_options(config: PipelineConfig, hf_config, cuda_available: bool) -> None:
+    """The cached attention backend implements what this model's attention needs (a window, a logit
+    cap, bidirectional spans, ...), or the run stops here naming the option."""
+    from pipeline.attention import SUPPORTS
+    from pipeline.models.masks import attention_options
+
+    if config.capture.mode == "none" or "insert_cached_attention" not in config.transforms:
+        return
+    if (config.transforms["insert_cached_attention"] or {}).get("enabled", True) is False:
+        return
+    backend = resolve_attention(config.attention.name, runs_on_cuda(config, cuda_available))
+    for option, why in attention_options(hf_config).items():
+        if option not in SUPPORTS[backend]:
+            others = [name for name, options in SUPPORTS.items() if option in options]
+            fix = f"use attention={' or attention='.join(others)}" if others else "run capture=none"
+            raise ConfigError(
+                f"attention={backend} has no {option} attention, which this model needs ({why}); {fix}"
+            )
 
 
 def _job(cfg: DictConfig) -> None:

@@ -26,7 +26,8 @@ from pipeline.attention.kv_cache import CacheSpec
 
 RECORD_KEY = "pipeline"
 
-# Runtime inputs a graph gained after export (KV caches, step metadata), from the call's kwargs.
+# Runtime inputs a graph gained after export (KV caches, step metadata), from the call's kwargs as
+# the parent made them (HF's mask included, which the graph itself may no longer take).
 RuntimeInputs = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
@@ -37,8 +38,12 @@ class GraphRecord:
     tensor_inputs: list[str]  # the graph's kwargs as exported
     constants: dict[str, Any]  # values baked in at export; a call must pass the same or none
     language_model_prefix: str = ""  # in a full graph of a VLM: where the decoder sits inside it
+    position_offset: int = 0  # where the model's positions start (PaliGemma: 1), see models/probe.py
     cache_specs: list[CacheSpec] = field(default_factory=list)  # one per cached attention layer
     runtime_inputs: RuntimeInputs | None = None  # fills the cache and metadata inputs of a call
+    # Inputs the graph no longer reads (HF's mask, once cached attention replaced the attention that
+    # read it): a call may still pass them, and they are not forwarded
+    unused_inputs: list[str] = field(default_factory=list)
     # The eager module the graph replaced (its weights are the graph's, or were before a rewrite
     # copied them): what an eager reference profile runs in its place
     original: nn.Module | None = field(default=None, repr=False)

@@ -21,22 +21,47 @@ from pipeline.library import fake, op
 
 @op("attention")
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool, softcap: float
 ) -> Tensor:
-    """Softmax(q k^T * scale + mask) v with grouped-query heads.
+    """Softmax(cap(q k^T * scale) + mask) v with grouped-query heads.
 
     q: [B, H, S, D]; k, v: [B, Hkv, S_kv, D] with H % Hkv == 0 (not repeated: a GQA-aware kernel
     reads each KV head once); attn_mask: bool (True = attend) or additive, broadcastable to
-    [B, H, S, S_kv]; returns [B, H, S, D].
+    [B, H, S, S_kv]; softcap: 0, or the cap of the scaled scores, `tanh(s / cap) * cap` (Gemma 2's
+    attention logit soft-capping), before the mask; returns [B, H, S, D].
     """
+    if softcap > 0:
+        return softcapped_reference(q, k, v, attn_mask, scale, is_causal, softcap).contiguous()
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     return out.contiguous()  # the fake kernel promises a contiguous result (compile checks strides)
 
 
+def softcapped_reference(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, scale: float, is_causal: bool, softcap: float
+) -> Tensor:
+    """Hugging Face's eager attention with a logit cap, step by step (SDPA has no cap): scores
+    capped, mask added (or applied), softmax in float32, cast back."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S_kv, D]
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap  # [B, H, S, S_kv]
+    if is_causal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(
+            scores.shape[-1] - scores.shape[-2]
+        )
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 @fake("attention")
-def _attention_fake(q, k, v, attn_mask, scale, is_causal):
+def _attention_fake(q, k, v, attn_mask, scale, is_causal, softcap):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

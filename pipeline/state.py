@@ -31,6 +31,7 @@ class ModelInfo:
     language_model_paths: list[str]  # where the decoder stack sits inside the model
     source: str  # "random (seed N)" or the checkpoint folder
     decode_bytes: int = 0  # weights one decode step reads (language model and lm_head)
+    position_offset: int = 0  # where the positions the language model gets start (PaliGemma: 1)
 
 
 @dataclass

@@ -27,10 +27,16 @@ def _case(device="cpu", dtype=torch.float32):
     return [t.to(device) for t in (q, k, v, cache, *meta)], history
 
 
-def _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk):
+def _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk, block=None, softcap=0.0):
     """The op as the graph calls it: the step's plan, then the layer's attention."""
     tokens = torch.ops.pipeline.attention_plan(q, cache, indptr, lens, table)
-    return cached_attention_op(backend)(q, k, v, cache, indptr, lens, table, *tokens, 0.25, window, chunk)
+    op = cached_attention_op(backend)
+    return op(q, k, v, cache, indptr, lens, table, *tokens, block, 0.25, softcap, window, chunk)
+
+
+# Sequence 1's new tokens 2..6 (positions 2..6) attend each other both ways; every other token is
+# causal: [T, 2] in packed order (sequence 0's 3 tokens, then sequence 1's 12).
+BLOCK = torch.tensor([(0, 0)] * 3 + [(0, 0)] * 2 + [(2, 7)] * 5 + [(0, 0)] * 5)
 
 
 def test_plan_places_every_new_token():
@@ -52,8 +58,9 @@ def test_plan_places_every_new_token():
     ]
 
 
-def _expected(q, k, v, history, window, chunk):
-    """Plain SDPA over each sequence's whole key list with the same mask rules."""
+def _expected(q, k, v, history, window, chunk, block=None, softcap=0.0):
+    """Plain attention over each sequence's whole key list with the same mask rules (written out,
+    with Hugging Face's cap, where there is one)."""
     outs = []
     for start, end, cached in [(0, 3, 10), (3, 15, 0)]:
         keys = (
@@ -67,25 +74,49 @@ def _expected(q, k, v, history, window, chunk):
             else v[0, :, start:end].transpose(0, 1)
         )
         q_pos = torch.arange(cached, cached + end - start)[None]
-        mask = allowed(q_pos, torch.arange(keys.shape[0]), torch.tensor([keys.shape[0]]), window, chunk)[0]
-        out = F.scaled_dot_product_attention(
-            q[0, :, start:end][None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=0.25,
-            enable_gqa=True,
+        blocks = None if block is None else block[start:end][None]
+        mask = allowed(
+            q_pos, torch.arange(keys.shape[0]), torch.tensor([keys.shape[0]]), window, chunk, blocks
         )
+        if softcap:
+            out = torch.ops.pipeline.attention(
+                q[0, :, start:end][None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                mask[:, None], 0.25, False, softcap,
+            )  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(
+                q[0, :, start:end][None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=0.25,
+                enable_gqa=True,
+            )
         outs.append(out[0])
     return torch.cat(outs, dim=1)[None]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize(("window", "chunk"), [(0, 0), (5, 0), (0, 8)], ids=["causal", "window5", "chunk8"])
-def test_backend_matches_plain_attention(backend, window, chunk):
+@pytest.mark.parametrize(
+    ("window", "chunk", "block", "softcap"),
+    [
+        (0, 0, None, 0.0),
+        (5, 0, None, 0.0),
+        (0, 8, None, 0.0),
+        (0, 0, BLOCK, 0.0),
+        (3, 0, BLOCK, 0.0),
+        (0, 0, None, 1.5),
+    ],
+    ids=["causal", "window5", "chunk8", "block", "block-window3", "softcap"],
+)
+def test_backend_matches_plain_attention(backend, window, chunk, block, softcap):
     (q, k, v, cache, indptr, lens, table), history = _case()
-    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk)
-    torch.testing.assert_close(out, _expected(q, k, v, history, window, chunk), rtol=1e-5, atol=1e-5)
+    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, window, chunk, block, softcap)
+    expected = _expected(q, k, v, history, window, chunk, block, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if block is not None or softcap:  # the option changes the result
+        plain = _expected(q, k, v, history, window, chunk)
+        assert not torch.allclose(out, plain, atol=1e-3)
     # the new keys landed in their pages: sequence 1's token 9 is in its second page, slot 1
     torch.testing.assert_close(cache[0, 0, 1], k[0, :, 3 + 9])
 
@@ -114,7 +145,7 @@ def test_decode_step_matches_plain_attention(backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout"])
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout", "tiny_gemma2", "tiny_gemma3"])
 def test_triton_backend_generates_the_torch_backends_tokens(name):
     from test_runtime import _engine, _requests
 
@@ -143,13 +174,28 @@ def test_flashinfer_page_layout():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("options", ["plain", "block", "softcap"])
 @pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
-def test_backends_on_gpu_in_bfloat16(backend):
+def test_backends_on_gpu_in_bfloat16(backend, options):
+    from pipeline.attention import SUPPORTS
+
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
+    needs = {"plain": None, "block": "bidirectional", "softcap": "softcap"}[options]
+    if needs and needs not in SUPPORTS[backend]:
+        pytest.skip(f"{backend} has no {needs} (refused up front)")
+    block = BLOCK.cuda() if options == "block" else None
+    softcap = 1.5 if options == "softcap" else 0.0
     (q, k, v, cache, indptr, lens, table), history = _case("cuda", torch.bfloat16)
-    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, 0, 0)
-    expected = _expected(*(t.float().cpu() for t in (q, k, v)), history.float(), 0, 0)
+    out = _cached_attention(backend, q, k, v, cache, indptr, lens, table, 0, 0, block, softcap)
+    expected = _expected(
+        *(t.float().cpu() for t in (q, k, v)),
+        history.float(),
+        0,
+        0,
+        BLOCK if block is not None else None,
+        softcap,
+    )
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 

@@ -190,3 +190,30 @@ def test_seed_prompt_queries_compose():
     assert cfg.prompt.queries[0] == "How big is the universe?"
     assert cfg.prompt.queries[1]["prompt"] == "Explain gravity: "
     assert cfg.prompt.queries[2][0]["content"][1]["type"] == "image"
+
+
+@pytest.mark.parametrize(
+    ("name", "attention", "refused"),
+    [
+        ("tiny_llama4_scout", "flashinfer", "no chunked attention"),
+        ("tiny_gemma3", "flashinfer", "no bidirectional attention"),
+        ("tiny_paligemma", "flashinfer", "no bidirectional attention"),
+        ("tiny_gemma2", "flashinfer", None),  # its window and logit cap flashinfer has
+        ("tiny_gemma3", "triton", None),
+    ],
+)
+def test_an_attention_backend_without_what_the_model_needs_is_refused_up_front(name, attention, refused):
+    from pipeline.__main__ import check_attention_options
+
+    config = compose_cfg([f"model={name}", f"attention={attention}", "device=cuda"])
+    hf_config = zoo.build_hf_config(config.model)
+    if refused is None:
+        check_attention_options(config, hf_config, cuda_available=True)
+        return
+    with pytest.raises(
+        ConfigError, match=f"attention={attention} has {refused}.*use attention=torch or attention=triton"
+    ):
+        check_attention_options(config, hf_config, cuda_available=True)
+    # nothing to refuse where no cached attention is inserted
+    off = compose_cfg([f"model={name}", f"attention={attention}", "device=cuda", "capture=none"])
+    check_attention_options(off, hf_config, cuda_available=True)

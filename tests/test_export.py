@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_TEXT, TINY_VLMS, build_tiny
+from conftest import FAMILY_VLMS, TINY_TEXT, TINY_VLMS, build_tiny, capture_tiny
 
 from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
@@ -19,6 +19,65 @@ def _logits(model, call):
 
 def _capture(model, hf_config, call, paths):
     return graph_capture.capture(model, paths, call)
+
+
+# What each family's language model receives besides its embeddings and positions: Gemma 3 a dict
+# of masks per layer type, PaliGemma the mask of its bidirectional prefix; LLaVA none (causal).
+FAMILY_INPUTS = {
+    "tiny_llava": ["inputs_embeds", "position_ids"],
+    "tiny_gemma3": ["attention_mask", "inputs_embeds", "position_ids"],
+    "tiny_paligemma": ["attention_mask", "inputs_embeds", "position_ids"],
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_VLMS)
+def test_other_vlm_families_capture_their_language_model(name):
+    """Gemma 3's mask mapping (a dict of tensors) becomes graph inputs through the pytree; the
+    partly captured model computes what eager computed, with and without an image, and PaliGemma
+    counts positions from 1 in a graph that defaults them."""
+    model, hf_config, examples = build_tiny(name)
+    calls = {"text": examples.text, "image": examples.image}
+    reference = {k: _logits(model, c) for k, c in calls.items()}
+    model, captured = capture_tiny(model, hf_config, examples)
+    assert sorted(captured[0].tensor_inputs) == FAMILY_INPUTS[name]
+    if name == "tiny_gemma3":
+        assert set(captured[0].dynamic_dims) >= {
+            "attention_mask_full_attention",
+            "attention_mask_sliding_attention",
+        }
+    for key, call in calls.items():
+        torch.testing.assert_close(_logits(model, call), reference[key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_paligemma_counts_positions_from_one():
+    from pipeline.graphs import record_of
+    from pipeline.models import probe
+
+    model, hf_config, examples = build_tiny("tiny_paligemma")
+    path = find_language_models(model, hf_config.text_config)[0]
+    assert probe.first_position(model, path, examples.text["input_ids"]) == 1
+    reference = _logits(model, examples.image)
+    full, _ = capture_tiny(model, hf_config, examples, paths=[""])  # the graph defaults the positions
+    assert record_of(full).position_offset == 1
+    torch.testing.assert_close(_logits(full, examples.image), reference, rtol=0, atol=1e-5)
+    text_model, text_config, text_examples = build_tiny("tiny_llama3_1_8b")
+    stack = find_language_models(text_model, text_config)[0]
+    assert probe.first_position(text_model, stack, text_examples.text["input_ids"]) == 0
+
+
+def test_a_kwarg_that_cannot_be_an_input_is_named():
+    from transformers import DynamicCache
+
+    with pytest.raises(graph_capture.ExportError, match=r"transformers\..*DynamicCache.*use_cache=False"):
+        graph_capture.RecordedCall({"past_key_values": DynamicCache()}).split()
+    with pytest.raises(
+        graph_capture.ExportError, match=r"'spans' is a builtins.dict holding int.*capture.submodules"
+    ):
+        graph_capture.RecordedCall({"spans": {"image": 3}}).split()
+    inputs, constants, dropped = graph_capture.RecordedCall(
+        {"mask": {"full": torch.ones(2), "sliding": None}, "flag": True, "none": None}
+    ).split()
+    assert list(inputs) == ["mask"] and constants == {"flag": True} and dropped == ["none"]
 
 
 def _other_shapes(call: dict, vocab: int) -> dict:

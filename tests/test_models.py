@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SEED_MODELS, TINY_MODELS, build_tiny, compose_cfg
+from conftest import SEED_MODELS, TINY_FAMILIES, TINY_MODELS, build_tiny, compose_cfg
 
 from pipeline.models import build, zoo
 
@@ -77,7 +77,7 @@ def test_seed_parameter_counts_on_meta(name, billions):
     assert params / 1e9 == pytest.approx(billions, rel=0.03)
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
 def test_tiny_models_are_debug_size(name):
     model, hf_config, _ = build_tiny(name)
     text = zoo.text_config_of(hf_config)

@@ -18,9 +18,25 @@ def test_attention_is_gqa_sdpa():
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     expected = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask, scale=0.3)
-    torch.testing.assert_close(ops.attention(q, k, v, mask, 0.3, False), expected)
+    torch.testing.assert_close(ops.attention(q, k, v, mask, 0.3, False, 0.0), expected)
     causal = F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), is_causal=True)
-    torch.testing.assert_close(ops.attention(q, k, v, None, 0.25, True), causal)
+    torch.testing.assert_close(ops.attention(q, k, v, None, 0.25, True, 0.0), causal)
+
+
+def test_softcapped_attention_is_gemma2s_eager_attention():
+    """The logit cap as Gemma 2's own eager attention applies it, with its additive mask."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q, k, v = torch.randn(2, 8, 5, 16) * 3, torch.randn(2, 2, 5, 16) * 3, torch.randn(2, 2, 5, 16)
+    additive = torch.zeros(5, 5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=4, training=False, head_dim=16)
+    expected, _ = eager_attention_forward(module, q, k, v, additive[None, None], scaling=0.3, softcap=2.0)
+    out = ops.attention(q, k, v, additive[None, None], 0.3, False, 2.0)
+    torch.testing.assert_close(out.transpose(1, 2), expected)  # HF returns [B, S, H, D]
+    # the cap changes the result: it is not plain attention
+    assert not torch.allclose(out, ops.attention(q, k, v, additive[None, None], 0.3, False, 0.0), atol=1e-3)
 
 
 def test_rope_is_hf_rotate_half():
@@ -70,7 +86,7 @@ def test_silu_and_mul_is_the_gated_activation():
     [
         (
             ops.attention.default,
-            (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), None, 0.3, True),
+            (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), None, 0.3, True, 0.0),
         ),
         (ops.rope.default, (torch.randn(2, 4, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8))),
         (

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, TINY_VLMS, build_tiny, compose_cfg, transform_context
+from conftest import (
+    FAMILY_VLMS,
+    TINY_FAMILIES,
+    TINY_MODELS,
+    TINY_VLMS,
+    build_tiny,
+    capture_tiny,
+    compose_cfg,
+    transform_context,
+)
 
 from pipeline.attention.kv_cache import CacheFull, CacheSpec, PagedKVCache
 from pipeline.attention.torch_backend import allowed
-from pipeline.export import graph_capture
-from pipeline.graphs import find_language_models, record_of
-from pipeline.models import zoo
-from pipeline.models.images import synthetic_image
+from pipeline.graphs import record_of
+from pipeline.models import masks, meta, zoo
+from pipeline.models.images import IMAGES_FIRST, synthetic_image
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.requests import Request, image_part
+from pipeline.runtime.requests import Request, image_part, with_mask_spans
 from pipeline.runtime.runners import EagerRunner, PagedRunner
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.scheduler import Chunk
@@ -23,8 +31,17 @@ from pipeline.transforms import registry
 PAGE = 8  # smaller than the prompts, so sequences span several pages
 
 
+def _skeleton(hf_config):
+    """The VLM on the meta device: what counts a fixed-size family's image tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    return meta.meta_model(AutoModelForImageTextToText._model_mapping[type(hf_config)], hf_config)
+
+
 def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> list[Request]:
     generator = torch.Generator().manual_seed(seed)
+    images = images and zoo.is_vlm(hf_config)
+    skeleton = _skeleton(hf_config) if images else None
     requests = []
     for i, n in enumerate(lengths):
         ids = torch.randint(20, 400, (n,), generator=generator).tolist()
@@ -33,9 +50,11 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
             image = synthetic_image(28 * (2 + i % 3), generator)  # images of different sizes in one batch
             if hf_config.model_type == "llama4":
                 image = synthetic_image(56, generator)
-            tokens, pixels = image_part(hf_config, image, torch.float32, torch.device("cpu"))
-            ids = ids[:2] + tokens + ids[2:]
-        requests.append(Request(i, ids, pixels, image_span=(2, 2 + len(tokens)) if pixels else None))
+            tokens, pixels = image_part(hf_config, image, torch.float32, torch.device("cpu"), None, skeleton)
+            at = 0 if hf_config.model_type in IMAGES_FIRST else 2
+            ids = ids[:at] + tokens + ids[at:]
+        spans = [(at, at + len(tokens))] if pixels else []
+        requests.append(with_mask_spans(hf_config, Request(i, ids, pixels, image_spans=spans)))
     return requests
 
 
@@ -43,10 +62,9 @@ def _engine(name: str, capture: str = "partial", overrides=(), backend: str = "t
     model, hf_config, examples = build_tiny(name, device=device)
     cfg = compose_cfg([f"model={name}", f"runtime.attn_page_size={PAGE}", *overrides])
     if capture != "none":
-        paths = find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
-        model, _ = graph_capture.capture(model, paths, examples.image or examples.text)
+        model, _ = capture_tiny(model, hf_config, examples)
         transforms = registry.parse(cfg.transforms)
-        ctx = transform_context(device, attention=backend, page_size=PAGE)
+        ctx = transform_context(device, attention=backend, page_size=PAGE, hf_config=hf_config)
         registry.run_transforms(model, transforms, ctx, registry.TransformHistory())
     return DemoLLM(model, hf_config, cfg.runtime, torch.device(device), eos_ids(hf_config)), hf_config
 
@@ -64,15 +82,18 @@ def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[in
 
 def hf_inputs(hf_config, request: Request) -> dict:
     """A request as Hugging Face's processor would hand it to generate: ids, pixels, and (Qwen2.5-VL)
-    the image tokens marked in mm_token_type_ids, from which HF computes the grid positions."""
+    the image tokens marked in mm_token_type_ids, from which HF computes the grid positions, or
+    (PaliGemma, Gemma 3) the token_type_ids its mask reads."""
     ids = torch.tensor([request.prompt])
     inputs = {"input_ids": ids, **request.images}
     if "image_grid_thw" in request.images:
         inputs["mm_token_type_ids"] = (ids == hf_config.image_token_id).int()
+    if (types := masks.token_type_ids(hf_config, request.prompt)) is not None:
+        inputs["token_type_ids"] = torch.tensor([types])
     return inputs
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
 @pytest.mark.parametrize("lengths", [[13], [5, 9, 13, 40]], ids=["batch1", "batch4-mixed"])
 def test_greedy_tokens_equal_hf_generate(name, lengths):
     """Partly captured, transformed, cached model vs HF generate: the same tokens. The 40-token
@@ -85,14 +106,14 @@ def test_greedy_tokens_equal_hf_generate(name, lengths):
     assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages - 1  # all back (but scratch)
 
 
-@pytest.mark.parametrize("name", TINY_VLMS)
+@pytest.mark.parametrize("name", TINY_VLMS + FAMILY_VLMS)
 def test_vlm_text_only_requests(name):
     engine, hf_config = _engine(name)
     requests = _requests(hf_config, [6, 11], images=False)
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
 
 
-@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b"])
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b", "tiny_paligemma", "tiny_gemma3"])
 def test_capture_none_runs_the_same_loop(name):
     engine, hf_config = _engine(name, capture="none")
     assert isinstance(engine.runner, EagerRunner)

@@ -44,9 +44,23 @@ def test_admission_keeps_the_batch_and_token_limits():
 
 
 def test_a_chunk_never_splits_an_image():
-    request = Request(0, list(range(20)), {"pixel_values": torch.zeros(1)}, image_span=(6, 14))
+    request = Request(0, list(range(20)), {"pixel_values": torch.zeros(1)}, image_spans=[(6, 14)])
     steps = _steps(Scheduler([request], max_batch_size=1, max_num_tokens=10))
     assert steps == [[(0, 0, 6)], [(0, 6, 16)], [(0, 16, 20)]]
+
+
+def test_a_chunk_never_splits_what_is_attended_both_ways():
+    """A span attended both ways (Gemma 3's image tokens, PaliGemma's prompt) is prefilled in one
+    step: its tokens see each other's keys, which a later chunk would not have computed yet."""
+    request = Request(0, list(range(20)), bidirectional=[(4, 9)])
+    assert _steps(Scheduler([request], max_batch_size=1, max_num_tokens=6)) == [
+        [(0, 0, 4)],
+        [(0, 4, 10)],
+        [(0, 10, 16)],
+        [(0, 16, 20)],
+    ]
+    with pytest.raises(ValueError, match="12 tokens one prefill step must hold whole"):
+        Scheduler([Request(1, list(range(20)), bidirectional=[(0, 12)])], max_batch_size=1, max_num_tokens=10)
 
 
 def test_eager_waves_take_whole_prompts_within_the_padded_budget():
@@ -79,7 +93,7 @@ def test_more_requests_than_slots_queue_and_keep_their_tokens(capture, lookahead
     assert sum(s.kind == "prefill" for s in generation.steps) >= 3
 
 
-@pytest.mark.parametrize("name", ["tiny_llama3_1_8b", "tiny_qwen2_5_vl"])
+@pytest.mark.parametrize("name", ["tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_gemma3"])
 def test_a_prompt_over_the_token_budget_is_prefilled_in_chunks(name):
     """max_num_tokens=16: prompts of 40 and 25 tokens (with an image for the VLM) go over several
     prefill steps, and generate what one whole prefill (Hugging Face's) does."""

@@ -1,4 +1,5 @@
-"""Every seed model's tiny variant through every stage, as a user runs it: one pipeline run per
+"""Every seed model's tiny variant, and a tiny model of each family added by a YAML alone (LLaVA,
+Gemma 3, PaliGemma, Gemma 2, Qwen 3), through every stage, as a user runs it: one pipeline run per
 model and capture mode, checked stage by stage (what export captured, attention and RoPE matched
 in every layer that has them, demollm's tokens, the profile's module tree and coverage, the
 report). Token parity with Hugging Face generate (batch 1 and 4, images for the VLMs) and with
@@ -9,21 +10,28 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_MODELS, build_tiny, mlflow_runs, run_pipeline
+from conftest import TINY_FAMILIES, TINY_MODELS, build_tiny, mlflow_runs, run_pipeline
 
 from pipeline.models import zoo
 
 pytestmark = pytest.mark.slow
 
 # What full capture does per model: the text models capture the same graph as partial; the VLMs'
-# vision towers have data-dependent shapes (Mistral3, Qwen2.5-VL) or give a graph that takes
-# image inputs in every call, which demollm cannot decode with (Llama-4).
+# vision towers have data-dependent shapes (Mistral3, Qwen2.5-VL) or give a graph (exported,
+# transformed and checked against eager) that takes image inputs in every call, which demollm
+# cannot decode with (Llama-4, LLaVA, Gemma 3, PaliGemma).
+VLM_FULL_GRAPH = ("generate", "takes image inputs in every call")
 FULL_CAPTURE = {
     "tiny_mistral3": ("export", "model.vision_tower"),
     "tiny_magistral": None,
     "tiny_llama3_1_8b": None,
     "tiny_qwen2_5_vl": ("export", "model.visual"),
-    "tiny_llama4_scout": ("generate", "takes image inputs in every call"),
+    "tiny_llama4_scout": VLM_FULL_GRAPH,
+    "tiny_llava": VLM_FULL_GRAPH,
+    "tiny_gemma3": VLM_FULL_GRAPH,
+    "tiny_paligemma": VLM_FULL_GRAPH,
+    "tiny_gemma2": None,
+    "tiny_qwen3": None,
 }
 
 
@@ -41,7 +49,7 @@ def _module_fqns(node: dict) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
 def test_partial_capture_through_every_stage(name, tmp_path, tracking_uri):
     _, hf_config, _ = build_tiny(name)
     text = zoo.text_config_of(hf_config)
@@ -82,7 +90,7 @@ def test_partial_capture_through_every_stage(name, tmp_path, tracking_uri):
     assert (run / "report" / "report.html").exists() and (run / "plots" / "module_breakdown.png").exists()
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
 def test_full_capture_works_or_fails_with_its_reason(name, tmp_path, tracking_uri):
     proc = run_pipeline(
         [
@@ -106,3 +114,5 @@ def test_full_capture_works_or_fails_with_its_reason(name, tmp_path, tracking_ur
     assert runs[0].data.tags["failed_stage"] == stage and reason in runs[0].data.tags["error"]
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert f"FAILED at stage '{stage}'" in report
+    if stage == "generate":  # the full graph was exported, transformed and checked against eager
+        assert runs[0].data.metrics["correctness/max_abs_err"] < 1e-3

@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import torch
 
+# What each backend implements of the cached attention's options (common.py). A model whose
+# attention needs another (models/masks.py: attention_options) is refused before the run, naming
+# the option and the backends that have it. Sinks (gpt-oss) no backend has yet.
+SUPPORTS = {
+    "torch": {"sliding_window", "chunked", "bidirectional", "softcap"},
+    "triton": {"sliding_window", "chunked", "bidirectional", "softcap"},
+    "flashinfer": {"sliding_window", "softcap"},
+}
+
 
 def cached_attention_op(backend: str):
     """The op for an attention backend name (already resolved from `auto`)."""

@@ -1,13 +1,18 @@
 """The contract every cached attention backend shares, registered once per backend.
 
 `pipeline::<name>(q, k, v, kv_cache, qo_indptr, cache_lens, page_table, token_seq, token_offset,
-token_pos, token_slot, scale, window, chunk)`:
+token_pos, token_slot, token_block, scale, softcap, window, chunk)`:
 q: [N, H, S, D] and k, v: [N, Hkv, S, D], the new tokens of all sequences taken in (N, S) order as
 one packed run of T = N * S tokens (the runtime packs into N = 1; a plain batch of N sequences of
 S new tokens each works too); kv_cache: [2, num_pages, page_size, Hkv, D], written in place;
 qo_indptr: [B + 1] into the packed run; cache_lens: [B], tokens cached before this step;
-page_table: [B, max_pages]; token_*: [T], from `pipeline::attention_plan`; window/chunk: 0 for
-none. Returns q's shape, contiguous.
+page_table: [B, max_pages]; token_seq/offset/pos/slot: [T], from `pipeline::attention_plan`;
+token_block: [T, 2] or None, the [start, end) positions each token also sees both ways ((0, 0):
+none; models/masks.py); softcap: the logit cap, `tanh(s / cap) * cap` of the scaled scores (0:
+none; Gemma 2); window/chunk: 0 for none, and both bound a block too. Which token a query sees:
+(key <= its position, or key in its block) and key within its window and chunk. Returns q's
+shape, contiguous. A backend that lacks an option says so in `SUPPORTS` (attention/__init__.py),
+and the run is refused up front.
 
 `pipeline::attention_plan(q, kv_cache, qo_indptr, cache_lens, page_table)` computes, once per step
 for every layer (they share the step's sequences): each packed token's sequence, its offset among
@@ -29,7 +34,7 @@ from pipeline.library import fake, op
 SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor qo_indptr, Tensor cache_lens, "
     "Tensor page_table, Tensor token_seq, Tensor token_offset, Tensor token_pos, Tensor token_slot, "
-    "float scale, int window, int chunk) -> Tensor"
+    "Tensor? token_block, float scale, float softcap, int window, int chunk) -> Tensor"
 )
 
 
@@ -67,7 +72,7 @@ def write_cache(kv_cache: Tensor, k: Tensor, v: Tensor, slot: Tensor) -> None:
 
 
 # attend(q [T, H, D], kv_cache, qo_indptr, cache_lens, page_table, seq [T], offset [T], pos [T],
-#        scale, window, chunk) -> [T, H, D]
+#        block [T, 2] | None, scale, softcap, window, chunk) -> [T, H, D]
 Attend = Callable[..., Tensor]
 
 
@@ -75,8 +80,9 @@ def register(name: str, attend: Attend):
     """`pipeline::<name>` with the shared contract around `attend`, and its fake kernel."""
 
     def cached_attention(
-        q, k, v, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, slot, scale, window, chunk
-    ):
+        q, k, v, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, slot, block, scale, softcap,
+        window, chunk,
+    ):  # fmt: skip
         shape = q.shape  # [N, H, S, D]
         q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (q, k, v))  # [T, H, D]
         write_cache(kv_cache, k, v, slot)
@@ -89,7 +95,9 @@ def register(name: str, attend: Attend):
             seq,
             offset,
             pos,
+            block,
             scale,
+            softcap,
             window,
             chunk,
         )

@@ -4,7 +4,9 @@ The pipeline's metadata (per-sequence page table, cached lengths, qo_indptr) is 
 flashinfer's CSR page layout (kv_indptr, kv_indices, last_page_len) and the batch is planned on
 every call; one wrapper serves prefill and decode (decode is an append of one token). The cache
 layout [2, pages, page_size, Hkv, D] is flashinfer's NHD as a (keys, values) pair.
-Chunked attention (Llama-4's chunked layers) has no flashinfer equivalent here: refused.
+A logit cap goes to flashinfer's `logits_soft_cap`. Chunked attention (Llama-4's chunked layers)
+and bidirectional blocks (PaliGemma, Gemma 3's images) have no flashinfer equivalent here: a run
+that needs them is refused up front (SUPPORTS in attention/__init__.py).
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ def csr_pages(page_table: Tensor, total: Tensor, page_size: int) -> tuple[Tensor
     return indptr, indices, last
 
 
-def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, scale, window, chunk):
+def attend(
+    q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, block, scale, softcap, window, chunk
+):
     """q: [T, H, D] -> [T, H, D]: flashinfer's paged prefill/append, planned for this batch."""
-    if chunk > 0:
+    if chunk > 0 or block is not None:  # refused before the run (SUPPORTS); this guards direct calls
         raise NotImplementedError(
-            "attention=flashinfer has no chunked attention (Llama-4); use attention=triton"
+            "attention=flashinfer has no chunked attention (Llama-4) nor bidirectional blocks; use attention=triton"
         )
     page_size = kv_cache.shape[2]
     total = cache_lens + (qo_indptr[1:] - qo_indptr[:-1])
@@ -50,6 +54,7 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
         qo_indptr.to(torch.int32), kv_indptr, kv_indices, last_page_len,
         q.shape[1], kv_cache.shape[3], q.shape[2], page_size,
         causal=True, sm_scale=scale, window_left=window - 1 if window > 0 else -1,
+        logits_soft_cap=softcap if softcap > 0 else None,
         q_data_type=q.dtype, kv_data_type=kv_cache.dtype,
     )  # fmt: skip
     return wrapper.run(q, (kv_cache[0], kv_cache[1]))

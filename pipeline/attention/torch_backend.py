@@ -3,7 +3,8 @@
 Vectorized over the batch: the new tokens of every sequence are scattered into their slots with
 one indexed write, then each sequence's pages are gathered through its page table into a padded
 [B, L, Hkv, D] block and one masked SDPA call covers all sequences (no Python loop over
-sequences, in prefill or decode).
+sequences, in prefill or decode). A logit cap (Gemma 2) takes the same masked attention written
+out, since SDPA has no cap.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from torch import Tensor
 from pipeline.attention.common import register
 
 
-def allowed(q_pos: Tensor, k_pos: Tensor, total: Tensor, window: int, chunk: int) -> Tensor:
-    """Which keys each query sees: causal, within the sequence, and within the window or chunk.
-    q_pos: [B, Sq]; k_pos: [L]; total: [B] -> [B, Sq, L] bool."""
+def allowed(
+    q_pos: Tensor, k_pos: Tensor, total: Tensor, window: int, chunk: int, block: Tensor | None = None
+) -> Tensor:
+    """Which keys each query sees: causal or in its block, within the sequence, and within the
+    window or chunk. q_pos: [B, Sq]; k_pos: [L]; total: [B]; block: [B, Sq, 2] ([start, end)) ->
+    [B, Sq, L] bool."""
     qp, kp = q_pos[:, :, None], k_pos[None, None, :]
-    mask = (kp <= qp) & (kp < total[:, None, None])
+    mask = kp <= qp
+    if block is not None:
+        mask |= (kp >= block[..., :1]) & (kp < block[..., 1:])
+    mask &= kp < total[:, None, None]
     if window > 0:
         mask &= kp > qp - window
     if chunk > 0:
@@ -27,7 +34,22 @@ def allowed(q_pos: Tensor, k_pos: Tensor, total: Tensor, window: int, chunk: int
     return mask
 
 
-def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, scale, window, chunk):
+def softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float
+) -> Tensor:
+    """SDPA's result with the scaled scores capped, `tanh(s / cap) * cap` (SDPA takes no cap), in
+    float32 as Hugging Face's eager attention computes it. q: [B, H, Sq, D]; k, v: [B, Hkv, L, D];
+    mask: [B, 1, Sq, L] bool -> [B, H, Sq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)).float() * scale / softcap) * softcap  # [B, H, Sq, L]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    return probs @ v
+
+
+def attend(
+    q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, block, scale, softcap, window, chunk
+):
     """q: [T, H, D] -> [T, H, D]: one masked SDPA over every sequence's gathered pages."""
     batch = cache_lens.numel()
     page_size = kv_cache.shape[2]
@@ -58,17 +80,24 @@ def attend(q, kv_cache, qo_indptr, cache_lens, page_table, seq, offset, pos, sca
         q_pad = q.new_zeros(batch, q_len, heads, dim)  # [B, Sq, H, D]
         q_pad[seq, offset] = q
     q_pos = cache_lens.long()[:, None] + torch.arange(q_len, device=q.device)[None, :]  # [B, Sq]
-    mask = allowed(q_pos, k_pos, total, window, chunk)
+    block_pad = None
+    if block is not None:  # [T, 2] -> [B, Sq, 2], padded rows (0, 0)
+        block_pad = block.new_zeros(batch, q_len, 2)
+        block_pad[seq, offset] = block
+    mask = allowed(q_pos, k_pos, total, window, chunk, block_pad)
     if not decode:  # padded query rows see one key instead of none (no NaN); dropped below
         mask[:, :, 0] |= ~mask.any(-1)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=heads != keys.shape[1],
-    )  # [B, H, Sq, D]
+    if softcap > 0:
+        out = softcapped_attention(q_pad.transpose(1, 2), keys, values, mask[:, None], scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=mask[:, None],
+            scale=scale,
+            enable_gqa=heads != keys.shape[1],
+        )  # [B, H, Sq, D]
     return out[:, :, 0] if decode else out.transpose(1, 2)[seq, offset]  # [T, H, D]
 
 

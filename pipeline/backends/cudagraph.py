@@ -81,6 +81,8 @@ class StaticStep:
                 buffer = value.new_zeros(bucket)
             elif name == "page_table":
                 buffer = value.new_full((bucket, table_width), scratch_page)
+            elif name == "token_block":  # [T, 2]: a decode token is in no bidirectional block
+                buffer = value.new_zeros(bucket, 2)
             elif (dim := _token_dim(value, n)) is not None:
                 buffer = value.new_zeros(value.shape[:dim] + (bucket,) + value.shape[dim + 1 :])
             else:
@@ -92,7 +94,8 @@ class StaticStep:
         padded = n < self.bucket
         for name, value in inputs.items():
             buffer = self.buffers[name]
-            if not isinstance(value, torch.Tensor) or buffer is value or name == "qo_indptr":
+            # token_block: zeros in every decode step (generated tokens are in no block), so no copy
+            if not isinstance(value, torch.Tensor) or buffer is value or name in ("qo_indptr", "token_block"):
                 continue
             if name == "cache_lens":
                 buffer[:n].copy_(value)

@@ -2,8 +2,9 @@
 
 The first seed's two changes live here: a graph nested inside a larger nn.Module, and kwargs-only
 inputs. The kwargs a submodule really receives are recorded by running the whole model once with a
-forward pre-hook on it; tensors become graph inputs, other values constants of the export, and
-None values are dropped. Three pitfalls measured on this machine are handled (see
+forward pre-hook on it; tensors, and dicts/lists/tuples of tensors (Gemma 3's mask per layer type),
+become graph inputs (export flattens containers through the pytree), other values constants of the
+export, and None values are dropped. Three pitfalls measured on this machine are handled (see
 ../shared/reference/seed-models.md): constants must go into the export, the parent still asks the
 graph for its input embeddings, and the exported module rejects kwargs it was not exported with.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 from pipeline.graphs import GraphRecord, first_tensor, record_of, set_record
 
@@ -42,24 +44,49 @@ class ExportFailed(Exception):
         self.path = path
 
 
+def _tensor_tree(value: Any) -> bool:
+    """A dict, list or tuple whose leaves are all tensors (None entries allowed)."""
+    if not isinstance(value, dict | list | tuple):
+        return False
+    leaves = [leaf for leaf in pytree.tree_leaves(value) if leaf is not None]
+    return bool(leaves) and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+def describe(value: Any) -> str:
+    """What an object is, for a message: its class with its module, and what it holds."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, dict | list | tuple):
+        kinds = sorted({type(leaf).__name__ for leaf in pytree.tree_leaves(value)})
+        return f"{kind} holding {', '.join(kinds) or 'nothing'}"
+    return kind
+
+
 @dataclass
 class RecordedCall:
     kwargs: dict[str, Any]  # the call as the parent made it, positional args bound to their names
 
-    def split(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
-        """(graph inputs, export constants, dropped None names)."""
+    def split(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """(graph inputs: tensors and containers of tensors, export constants, dropped None names)."""
         tensors, constants, dropped = {}, {}, []
         for name, value in self.kwargs.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) or _tensor_tree(value):
                 tensors[name] = value
-            elif value is None:
+            elif value is None or (
+                isinstance(value, dict | list | tuple)
+                and all(leaf is None for leaf in pytree.tree_leaves(value))
+            ):
                 dropped.append(name)
             elif isinstance(value, _PRIMITIVES):
                 constants[name] = value
             else:
-                raise ExportError(
-                    f"kwarg '{name}' of type {type(value).__name__} is neither a tensor nor a constant; "
+                hint = (
                     "call the model with use_cache=False so no cache object reaches the graph"
+                    if "cache" in type(value).__name__.lower()
+                    else "capture a submodule whose call does not take it (capture.submodules)"
+                )
+                raise ExportError(
+                    f"kwarg '{name}' is a {describe(value)}: neither a tensor, a container of tensors nor a "
+                    f"constant, so it cannot be a graph input; {hint}"
                 )
         return tensors, constants, dropped
 
@@ -109,18 +136,19 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, A
     return named
 
 
-def default_position_ids(config, tokens: torch.Tensor) -> torch.Tensor:
-    """What HF's language models compute when given no position ids and no cache: 0..S-1 per
-    sequence, [B, S]; [3, B, S] for multimodal RoPE (Qwen2.5-VL), all three rows equal."""
+def default_position_ids(config, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """What HF's models compute when given no position ids and no cache: offset..offset+S-1 per
+    sequence (offset: 0, or 1 for PaliGemma, see models/probe.py), [B, S]; [3, B, S] for multimodal
+    RoPE (Qwen2.5-VL), all three rows equal."""
     text_config = getattr(config, "text_config", None) or config
     batch, seq = tokens.shape[0], tokens.shape[1]
-    positions = torch.arange(seq, device=tokens.device)[None].expand(batch, -1)
+    positions = torch.arange(offset, offset + seq, device=tokens.device)[None].expand(batch, -1)
     if (getattr(text_config, "rope_parameters", None) or {}).get("mrope_section"):
         return positions[None].expand(3, -1, -1)
     return positions
 
 
-def with_position_ids(module: nn.Module, recorded: RecordedCall) -> RecordedCall:
+def with_position_ids(module: nn.Module, recorded: RecordedCall, offset: int) -> RecordedCall:
     """Position ids as a graph input: the runtime must tell a decode step where it is, and HF's
     models compute them from an arange when none are given, which export would bake in."""
     if "position_ids" not in inspect.signature(module.forward).parameters:
@@ -128,9 +156,8 @@ def with_position_ids(module: nn.Module, recorded: RecordedCall) -> RecordedCall
     if recorded.kwargs.get("position_ids") is not None:
         return recorded
     config = getattr(module, "config", None)
-    return RecordedCall(
-        {**recorded.kwargs, "position_ids": default_position_ids(config, first_tensor(recorded.kwargs))}
-    )
+    positions = default_position_ids(config, first_tensor(recorded.kwargs), offset)
+    return RecordedCall({**recorded.kwargs, "position_ids": positions})
 
 
 def record_calls(
@@ -166,29 +193,51 @@ def record_calls(
     return recorded
 
 
+def _tensor_dims(tensor: torch.Tensor, batch: int, seq: int) -> tuple[dict[int, Any], dict[int, str]]:
+    spec: dict[int, Any] = {}
+    marks: dict[int, str] = {}
+    for i, size in enumerate(tensor.shape):
+        if size == seq:
+            spec[i], marks[i] = Dim.AUTO, "seq"
+        elif size == batch and "batch" not in marks.values():
+            spec[i], marks[i] = Dim.AUTO, "batch"
+    return spec, marks
+
+
+def _key_name(path) -> str:
+    return "_".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def dynamic_shape_spec(
-    module: nn.Module, tensors: dict[str, torch.Tensor], batch: int, seq: int
+    module: nn.Module, tensors: dict[str, Any], batch: int, seq: int
 ) -> tuple[dict[str, Any], dict[str, dict[int, str]]]:
     """Dim.AUTO for every batch and sequence dim, matched by size (the example batch and sequence
-    lengths are chosen so no other dim shares them). The spec follows the forward's signature:
-    names that travel through **kwargs are nested under that parameter, as export requires."""
+    lengths are chosen so no other dim shares them); a container's tensors each get theirs, in the
+    container's structure (named `<kwarg>_<key>`, as export names their placeholders). The spec
+    follows the forward's signature: names that travel through **kwargs are nested under that
+    parameter, as export requires."""
     dims: dict[str, dict[int, str]] = {}
     params = inspect.signature(module.forward).parameters
     var_kw = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     nested: dict[str, Any] = {}
-    for name, tensor in tensors.items():
-        spec: dict[int, Any] = {}
-        marks: dict[int, str] = {}
-        for i, size in enumerate(tensor.shape):
-            if size == seq:
-                spec[i], marks[i] = Dim.AUTO, "seq"
-            elif size == batch and "batch" not in marks.values():
-                spec[i], marks[i] = Dim.AUTO, "batch"
-        dims[name] = marks
-        if name in params or var_kw is None:
-            nested[name] = spec or None
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            spec, dims[name] = _tensor_dims(value, batch, seq)
+            spec = spec or None
         else:
-            nested.setdefault(var_kw, {})[name] = spec or None
+            leaves, structure = pytree.tree_flatten_with_path(value)
+            specs = []
+            for path, leaf in leaves:
+                if leaf is None:
+                    specs.append(None)
+                    continue
+                leaf_spec, dims[f"{name}_{_key_name(path)}"] = _tensor_dims(leaf, batch, seq)
+                specs.append(leaf_spec or None)
+            spec = pytree.tree_unflatten(specs, structure)
+        if name in params or var_kw is None:
+            nested[name] = spec
+        else:
+            nested.setdefault(var_kw, {})[name] = spec
     return nested, dims
 
 
@@ -205,9 +254,11 @@ def constants_bound(module: nn.Module, constants: dict[str, Any]) -> Iterator[No
 
 
 def export_module(
-    module: nn.Module, path: str, recorded: RecordedCall, batch: int, seq: int
+    module: nn.Module, path: str, recorded: RecordedCall, batch: int, seq: int, position_offset: int = 0
 ) -> CapturedGraph:
-    tensors, constants, dropped = with_position_ids(module, recorded).split()
+    """position_offset: where the model's own positions start (models/probe.py): the graph's default
+    when a call gives none."""
+    tensors, constants, dropped = with_position_ids(module, recorded, position_offset).split()
     spec, dims = dynamic_shape_spec(module, tensors, batch, seq)
     start = time.perf_counter()
     # On failure torch prints the partial graph (hundreds of lines) to stderr: keep it for the
@@ -233,7 +284,14 @@ def export_module(
     _check_dynamic(program, captured)
     set_record(
         graph_module,
-        GraphRecord(path, getattr(module, "config", None), list(tensors), dict(constants), original=module),
+        GraphRecord(
+            path,
+            getattr(module, "config", None),
+            list(tensors),
+            dict(constants),
+            position_offset=position_offset,
+            original=module,
+        ),
     )
     _install_kwargs_adapter(graph_module, module)
     _keep_parent_interface(graph_module, module)
@@ -268,9 +326,13 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
         adapted: dict[str, Any] = {}
         for name, value in call.items():
             if name == "position_ids" and value is None and name in inputs:
-                adapted[name] = default_position_ids(signature_owner.config, first_tensor(call))
+                adapted[name] = default_position_ids(
+                    signature_owner.config, first_tensor(call), record.position_offset
+                )
             elif name in inputs:
                 adapted[name] = value
+            elif name in record.unused_inputs:
+                continue
             elif name in record.constants:
                 if value != record.constants[name]:
                     raise ExportError(
@@ -283,10 +345,12 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
                     f"({type(value).__name__}); its inputs are {sorted(inputs)}"
                 )
         if "position_ids" in inputs and "position_ids" not in adapted:
-            adapted["position_ids"] = default_position_ids(signature_owner.config, first_tensor(call))
+            adapted["position_ids"] = default_position_ids(
+                signature_owner.config, first_tensor(call), record.position_offset
+            )
         # Inputs the graph gained after export (insert_cached_attention's cache and metadata).
         if record.runtime_inputs is not None:
-            adapted.update(record.runtime_inputs(adapted))
+            adapted.update(record.runtime_inputs({**call, **adapted}))
         return (), adapted
 
     graph_module.register_forward_pre_hook(adapt, with_kwargs=True, prepend=True)
@@ -327,10 +391,11 @@ def eager_parts(model: nn.Module, captured_paths: list[str]) -> list[str]:
 
 
 def capture(
-    model: nn.Module, paths: list[str], call: dict[str, Any]
+    model: nn.Module, paths: list[str], call: dict[str, Any], position_offset: int = 0
 ) -> tuple[nn.Module, list[CapturedGraph]]:
     """Export each path ("" = the whole model) from `call` and swap it in; returns the new root.
-    The batch and sequence sizes come from the call's input_ids: [B, S]."""
+    The batch and sequence sizes come from the call's input_ids: [B, S]. position_offset: where the
+    model's positions start (models/probe.py)."""
     if paths == [""]:
         recorded = {"": RecordedCall(dict(call))}
     else:
@@ -339,7 +404,7 @@ def capture(
     captured = []
     for path in paths:
         module = model.get_submodule(path) if path else model
-        graph = export_module(module, path, recorded[path], batch, seq)
+        graph = export_module(module, path, recorded[path], batch, seq, position_offset)
         model = install(model, graph)
         captured.append(graph)
     return model, captured

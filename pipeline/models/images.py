@@ -15,6 +15,11 @@ token rules are written here, each checked against the model's own image-token c
   (mean = std = 0.5), done here: its image processor is torchvision-only.
   `<|image_start|><|image|>` + (S / patch)^2 * pixel_shuffle_ratio^2 `<|patch|>` + `<|image_end|>`
   (Llama4Processor's single-tile layout).
+Every other VLM (LLaVA, Gemma 3, PaliGemma, ...) needs no code here: its image processor class in
+transformers (PIL flavour) sized by the vision config's `image_size`, and the token count asked of
+the model (`get_image_features` on the meta-device skeleton); `[boi] image*n [eoi]` where the
+config has begin/end-of-image ids. A family whose images cannot be prepared (`unsupported`) runs
+text-only requests.
 Nothing is fetched: a URL is refused.
 """
 
@@ -129,17 +134,89 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
     )
 
 
+# Families whose image size (and so token count) follows the image: their processors' own rules,
+# measured necessary (a fixed-size image processor would not exercise what the model does). Every
+# other VLM goes through `_fixed_size`.
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
     "mistral3": _mistral3,
     "qwen2_5_vl": _qwen2_5_vl,
     "llama4": _llama4,
 }
+# Families whose processor puts the images before the text (the prefix PaliGemma attends both ways).
+IMAGES_FIRST = ("paligemma",)
+
+
+def image_processor_class(model_type: str) -> type | None:
+    """The family's image processor in transformers (the PIL flavour), or None."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    name = names.get("pil") if isinstance(names, dict) else next((n for n in names if n), None)
+    return getattr(transformers, name, None) if name else None
+
+
+def unsupported(config, processor=None, model=None) -> str | None:
+    """Why this VLM's images cannot be prepared here, or None when they can: a family written here,
+    or the checkpoint's image processor or the family's in transformers, with a model to ask for the
+    image token count."""
+    if config.model_type in PREPROCESS:
+        return None
+    if processor is None and image_processor_class(config.model_type) is None:
+        return (
+            f"model_type={config.model_type} has no image processor in transformers and the checkpoint none"
+        )
+    if model is not None and not hasattr(model, "get_image_features"):
+        return f"{type(model).__name__} has no get_image_features to count an image's tokens"
+    return None
+
+
+def sized_processor(config):
+    """The family's image processor built with the vision config's image size: every size its
+    defaults name (height and width, or a shortest edge and a center crop) set to that size."""
+    processor_cls = image_processor_class(config.model_type)
+    side = config.vision_config.image_size
+    defaults = processor_cls()
+    kwargs = {}
+    size = getattr(defaults, "size", None)
+    if getattr(size, "height", None) is not None:
+        kwargs["size"] = {"height": side, "width": side}
+    elif getattr(size, "shortest_edge", None) is not None:
+        kwargs["size"] = {"shortest_edge": side}
+    if getattr(getattr(defaults, "crop_size", None), "height", None) is not None:
+        kwargs["crop_size"] = {"height": side, "width": side}
+    return processor_cls(**kwargs)
+
+
+def image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
+    """How many tokens each image becomes, asked of the model itself: its get_image_features on
+    the meta device (no memory, no compute), as many rows as the language model receives."""
+    with torch.no_grad():
+        out = model.get_image_features(**{k: v.to("meta") for k, v in pixels.items()})
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, list | tuple):
+        return [int(f.shape[0]) for f in features]
+    return [int(features.shape[1])] * int(features.shape[0])
+
+
+def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBatch:
+    """Any other VLM: its own image processor (the checkpoint's, or the family's sized by the vision
+    config), the token count from the model; `[boi] image... [eoi]` where the config has them."""
+    processor = processor or sized_processor(config)
+    out = processor(images=images, return_tensors="pt")
+    pixels = {"pixel_values": out["pixel_values"]}
+    if model is None:
+        raise ValueError(f"{config.model_type}: the image token count needs the model (meta-device) to ask")
+    counts = image_tokens(model, pixels)
+    prefix = [config.boi_token_index] if isinstance(getattr(config, "boi_token_index", None), int) else []
+    suffix = [config.eoi_token_index] if isinstance(getattr(config, "eoi_token_index", None), int) else []
+    return ImageBatch(pixels, counts, prefix, suffix, [(1, n) for n in counts])
 
 
 def default_image_size(config) -> int:
     vision = config.vision_config
-    if config.model_type == "llama4":
-        return vision.image_size
+    if config.model_type not in PREPROCESS or config.model_type == "llama4":
+        return getattr(vision, "image_size", None) or 224  # resized by the processor anyway
     merge = getattr(config, "spatial_merge_size", None) or vision.spatial_merge_size
     return 2 * vision.patch_size * merge  # 2 x 2 image tokens: the smallest image with structure
 
@@ -149,29 +226,32 @@ def image_token_id(config) -> int:
 
 
 def preprocess(
-    config, images: list[Image.Image], dtype: torch.dtype, device: torch.device, processor=None
+    config, images: list[Image.Image], dtype: torch.dtype, device: torch.device, processor=None, model=None
 ) -> ImageBatch:
     """processor: the checkpoint's image processor (checkpoint_image_processor), else the family's
-    built from the vision config."""
+    built from the vision config. model: one of the architecture (the meta-device one serves),
+    which counts the tokens of a fixed-size family's images."""
+    if reason := unsupported(config, processor, model):
+        raise ConfigError(f"{reason}: images cannot be given to it here; use text-only queries")
     family = PREPROCESS.get(config.model_type)
-    if family is None:
-        raise ConfigError(
-            f"model_type={config.model_type} has no image preprocessing; known: {', '.join(PREPROCESS)}"
-        )
-    batch = family(config, images, processor)
+    batch = family(config, images, processor) if family else _fixed_size(config, images, processor, model)
     batch.kwargs = {
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.kwargs.items()
     }
     return batch
 
 
-# The token a chat template writes for an image, which the family's processor expands.
+# The token a chat template writes for an image, which the family's processor expands; others write
+# the begin-of-image token where the config has one (Gemma 3), else the image token itself (LLaVA).
 TEMPLATE_IMAGE_TOKEN = {"mistral3": "[IMG]", "qwen2_5_vl": "<|image_pad|>", "llama4": "<|image|>"}
 
 
 def chat_placeholder(config, tokenizer) -> int:
     """The id of the token the chat template puts where an image goes."""
-    return tokenizer.convert_tokens_to_ids(TEMPLATE_IMAGE_TOKEN[config.model_type])
+    if config.model_type in TEMPLATE_IMAGE_TOKEN:
+        return tokenizer.convert_tokens_to_ids(TEMPLATE_IMAGE_TOKEN[config.model_type])
+    boi = getattr(config, "boi_token_index", None)
+    return boi if isinstance(boi, int) else image_token_id(config)
 
 
 def expand(config, tokenizer, batch: ImageBatch, index: int) -> list[int]:
@@ -185,7 +265,9 @@ def expand(config, tokenizer, batch: ImageBatch, index: int) -> list[int]:
         return tokens
     if config.model_type == "qwen2_5_vl":  # the template writes the vision start and end around it
         return [image] * (rows * columns)
-    return [ids("<|image_start|>"), ids("<|image|>"), *[image] * (rows * columns), ids("<|image_end|>")]
+    if config.model_type == "llama4":
+        return [ids("<|image_start|>"), ids("<|image|>"), *[image] * (rows * columns), ids("<|image_end|>")]
+    return batch.placeholder(image, index)  # [boi] image... [eoi]
 
 
 def concat_pixels(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,15 @@ from typing import Any
 
 import torch
 
-from pipeline.models.images import default_image_size, image_token_id, preprocess, synthetic_image
+from pipeline.models import masks
+from pipeline.models.images import (
+    IMAGES_FIRST,
+    default_image_size,
+    image_token_id,
+    preprocess,
+    synthetic_image,
+    unsupported,
+)
 
 TEXT_LEN = 11  # prompt tokens around the image; odd, so no weight dimension shares the size
 
@@ -17,6 +25,7 @@ TEXT_LEN = 11  # prompt tokens around the image; odd, so no weight dimension sha
 class ExampleInputs:
     text: dict[str, Any]  # kwargs of a text-only call of the whole model
     image: dict[str, Any] | None  # kwargs of a call with one image per sequence; None for text models
+    note: str = ""  # why a VLM has no image call
 
 
 def random_ids(shape: tuple[int, ...], vocab: int, avoid: set[int], generator) -> torch.Tensor:
@@ -42,22 +51,47 @@ def special_ids(config) -> set[int]:
     return {getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)}
 
 
+def with_token_types(config, call: dict[str, Any]) -> dict[str, Any]:
+    """The call with the token_type_ids the family's processor would return (models/masks.py), for a
+    family whose mask reads them: without them Hugging Face's model builds another mask."""
+    ids = call["input_ids"]
+    types = [masks.token_type_ids(config, row) for row in ids.tolist()]
+    if types[0] is None:
+        return call
+    return {**call, "token_type_ids": torch.tensor(types, device=ids.device)}
+
+
 def make_example_inputs(
-    config, batch: int, image_size: int | None, dtype: torch.dtype, device: torch.device, seed: int
+    config,
+    batch: int,
+    image_size: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    model=None,
+    processor=None,
 ) -> ExampleInputs:
-    """A text-only call and, for VLMs, a call with one image per sequence; `use_cache=False`."""
+    """A text-only call and, for VLMs, a call with one image per sequence; `use_cache=False`.
+    model: one of the architecture (meta-device serves), for a fixed-size family's token count;
+    processor: the checkpoint's image processor, if it has one."""
     generator = torch.Generator().manual_seed(seed)
     text_config = getattr(config, "text_config", None) or config
     avoid = special_ids(config)
     text_ids = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator).to(device)
-    text = {"input_ids": text_ids, "use_cache": False}
+    text = with_token_types(config, {"input_ids": text_ids, "use_cache": False})
     if getattr(config, "vision_config", None) is None:
         return ExampleInputs(text, None)
+    if reason := unsupported(config, processor, model):
+        return ExampleInputs(text, None, f"{reason}: its requests and checks are text-only")
     size = image_size or default_image_size(config)
-    images = preprocess(config, [synthetic_image(size, generator) for _ in range(batch)], dtype, device)
-    # [text... , prefix, image tokens, suffix, text...]
-    half = TEXT_LEN // 2
+    images = preprocess(
+        config, [synthetic_image(size, generator) for _ in range(batch)], dtype, device, processor, model
+    )
+    # [text... , prefix, image tokens, suffix, text...], or the images first (IMAGES_FIRST)
+    half = 0 if config.model_type in IMAGES_FIRST else TEXT_LEN // 2
     body = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator)
     image_part = torch.tensor([images.placeholder(image_token_id(config), i) for i in range(batch)])
     ids = torch.cat([body[:, :half], image_part, body[:, half:]], dim=1).to(device)
-    return ExampleInputs(text, {"input_ids": ids, **images.kwargs, "use_cache": False})
+    return ExampleInputs(
+        text, with_token_types(config, {"input_ids": ids, **images.kwargs, "use_cache": False})
+    )

@@ -101,10 +101,7 @@ class DemoLLM:
     ):
         graphs = [gm for _, gm in cached_graphs(model)]
         if find_graphs(model) and not graphs:
-            raise ValueError(
-                "the captured graph has no cached attention, so demollm cannot decode with it: enable "
-                "transforms.match_attention and transforms.insert_cached_attention"
-            )
+            raise ValueError("the captured graph has no cached attention, so demollm cannot decode with it")
         if len(graphs) > 1:
             raise ValueError(f"demollm drives one cached graph; this model has {len(graphs)}")
         if graphs and graphs[0] is model and getattr(hf_config, "vision_config", None) is not None:

@@ -17,7 +17,9 @@ from pipeline.runtime.requests import Request
 
 
 class Positions:
-    def __init__(self, model: nn.Module, hf_config):
+    def __init__(self, model: nn.Module, hf_config, offset: int = 0):
+        """offset: where the model counts positions from (models/probe.py; PaliGemma: 1)."""
+        self.offset = offset
         text = getattr(hf_config, "text_config", None) or hf_config
         self.mrope = bool((getattr(text, "rope_parameters", None) or {}).get("mrope_section"))
         self.rope_index = next(
@@ -46,5 +48,5 @@ class Positions:
         """Positions of prompt tokens [start, end): [end - start], or [3, end - start] for grid ones."""
         grid, _ = self.of(request)
         if grid is None:
-            return torch.arange(start, end)
+            return torch.arange(start + self.offset, end + self.offset)
         return grid[:, start:end]

@@ -6,7 +6,8 @@ carry one image each, seeded synthetic noise of `prompt.image_size`, or local fi
 text through the checkpoint's tokenizer, chat messages through its chat template with each image
 part through the family's processing (models/images.py). With queries there are
 max(prompt.batch_size, len(queries)) requests, the queries cycled. Every request knows where each of
-its images' tokens lie (`image_span`), so a chunked prefill never splits them.
+its images' tokens lie (`image_spans`) and which spans the model attends both ways, so a chunked
+prefill never splits them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from PIL import Image
 from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
 from pipeline.models import images as imaging
+from pipeline.models import masks
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime import queries as query_forms
 
@@ -29,44 +31,65 @@ class Request:
     seq_id: int
     prompt: list[int]  # token ids, image tokens included
     images: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel tensors (dim 0 concatenates)
-    # [start, end): from the first image's first token to the last image's last; a prefill chunk
-    # never splits it (the vision tower's features of a request go into one step)
-    image_span: tuple[int, int] | None = None
+    image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each image's tokens
+    # [start, end) spans the model attends both ways (models/masks.py): PaliGemma's prompt, Gemma 3's images
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
 
     @property
-    def images_at(self) -> tuple[int, int] | None:
-        """The tokens a prefill chunk must hold whole, with the images: image_span, or the whole
-        prompt for a request built with images and no span."""
-        if not self.images:
+    def unsplit_span(self) -> tuple[int, int] | None:
+        """The tokens one prefill chunk must hold whole: the images (the vision tower's features of a
+        request go into one step; the whole prompt for a request built with images and no spans)
+        and every span attended both ways."""
+        spans = [*self.image_spans, *self.bidirectional]
+        if self.images and not self.image_spans:
+            spans.append((0, len(self.prompt)))
+        if not spans:
             return None
-        return self.image_span or (0, len(self.prompt))
+        return min(s for s, _ in spans), max(e for _, e in spans)
 
 
 @dataclass
 class Sources:
-    """What turns queries into token ids and pixels: from the checkpoint folder when there is one."""
+    """What turns queries into token ids and pixels: from the checkpoint folder when there is one,
+    and the model's meta-device skeleton, which counts a fixed-size family's image tokens."""
 
     tokenizer: object | None = None
     image_processor: object | None = None
+    skeleton: torch.nn.Module | None = None
 
 
-def image_part(hf_config, image: Image.Image, dtype, device, processor=None) -> tuple[list[int], dict]:
+def with_mask_spans(hf_config, request: Request) -> Request:
+    """The request with the spans its model attends both ways filled in (models/masks.py)."""
+    request.bidirectional = masks.bidirectional_spans(hf_config, request.prompt)
+    return request
+
+
+def image_part(
+    hf_config, image: Image.Image, dtype, device, processor=None, skeleton=None
+) -> tuple[list[int], dict]:
     """One image as a synthetic request carries it: its placeholder tokens and its pixel tensors."""
-    batch = imaging.preprocess(hf_config, [image], dtype, device, processor)
+    batch = imaging.preprocess(hf_config, [image], dtype, device, processor, skeleton)
     return batch.placeholder(imaging.image_token_id(hf_config), 0), batch.kwargs
 
 
 def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, device, sources) -> Request:
     image_tokens: list[int] = []
     pixels: dict[str, torch.Tensor] = {}
-    if getattr(hf_config, "vision_config", None) is not None:
+    # A VLM's request carries an image: a given one, or synthetic where the family's images can be
+    # prepared (else the request is text-only, and load says why)
+    vlm = getattr(hf_config, "vision_config", None) is not None
+    if vlm and (
+        prompt.images or not imaging.unsupported(hf_config, sources.image_processor, sources.skeleton)
+    ):
         if prompt.images:
             image = imaging.load_image(prompt.images[seq_id % len(prompt.images)])
         else:
             image = imaging.synthetic_image(
                 prompt.image_size or imaging.default_image_size(hf_config), generator
             )
-        image_tokens, pixels = image_part(hf_config, image, dtype, device, sources.image_processor)
+        image_tokens, pixels = image_part(
+            hf_config, image, dtype, device, sources.image_processor, sources.skeleton
+        )
     text_len = prompt.prompt_len - len(image_tokens)
     if text_len < 1:
         raise ConfigError(
@@ -76,9 +99,11 @@ def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, d
         )
     text_config = getattr(hf_config, "text_config", None) or hf_config
     ids = random_ids((text_len,), text_config.vocab_size, special_ids(hf_config), generator).tolist()
-    half = len(ids) // 2
-    span = (half, half + len(image_tokens)) if image_tokens else None
-    return Request(seq_id, ids[:half] + image_tokens + ids[half:], pixels, span)
+    # images in the middle of the text, or first for a family whose processor puts them there
+    half = 0 if hf_config.model_type in imaging.IMAGES_FIRST else len(ids) // 2
+    spans = [(half, half + len(image_tokens))] if image_tokens else []
+    request = Request(seq_id, ids[:half] + image_tokens + ids[half:], pixels, spans)
+    return with_mask_spans(hf_config, request)
 
 
 def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sources: Sources) -> Request:
@@ -88,7 +113,7 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
     text = tokenizer.apply_chat_template(query.messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not query.images:
-        return Request(seq_id, ids)
+        return with_mask_spans(hf_config, Request(seq_id, ids))
     placeholder = imaging.chat_placeholder(hf_config, tokenizer)
     where = [i for i, token in enumerate(ids) if token == placeholder]
     if len(where) != len(query.images):
@@ -96,28 +121,31 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
             f"the chat template wrote {len(where)} image tokens for {len(query.images)} image parts; "
             "check the checkpoint's chat template"
         )
-    batch = imaging.preprocess(
-        hf_config, [imaging.load_image(str(p)) for p in query.images], dtype, device, sources.image_processor
-    )
+    images = [imaging.load_image(str(p)) for p in query.images]
+    batch = imaging.preprocess(hf_config, images, dtype, device, sources.image_processor, sources.skeleton)
     prompt: list[int] = []
-    first = last = 0
+    spans: list[tuple[int, int]] = []
+    last = 0
     for index, position in enumerate(where):
         prompt += ids[last:position]
-        first = first if index else len(prompt)
-        prompt += imaging.expand(hf_config, tokenizer, batch, index)
+        tokens = imaging.expand(hf_config, tokenizer, batch, index)
+        spans.append((len(prompt), len(prompt) + len(tokens)))
+        prompt += tokens
         last = position + 1
-    return Request(seq_id, prompt + ids[last:], batch.kwargs, (first, len(prompt)))
+    return with_mask_spans(hf_config, Request(seq_id, prompt + ids[last:], batch.kwargs, spans))
 
 
 def _from_query(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sources: Sources) -> Request:
     if query.kind == "ids":
-        return Request(seq_id, list(query.ids))
+        return with_mask_spans(hf_config, Request(seq_id, list(query.ids)))
     if query.kind == "text":
-        return Request(seq_id, sources.tokenizer(query.text)["input_ids"])
+        return with_mask_spans(hf_config, Request(seq_id, sources.tokenizer(query.text)["input_ids"]))
     return _chat(query, seq_id, hf_config, dtype, device, sources)
 
 
-def _check_lengths(request: Request, prompt: PromptConfig, runtime: RuntimeConfig, chunked: bool) -> None:
+def _check_lengths(
+    request: Request, prompt: PromptConfig, runtime: RuntimeConfig, chunked: bool, hf_config
+) -> None:
     n = len(request.prompt)
     if not n:
         raise ConfigError(f"request {request.seq_id} has an empty prompt")
@@ -135,13 +163,13 @@ def _check_lengths(request: Request, prompt: PromptConfig, runtime: RuntimeConfi
             f"request {request.seq_id} has {n} prompt tokens > runtime.max_num_tokens={runtime.max_num_tokens}, "
             "and capture=none prefills a prompt whole (Hugging Face's cache); raise runtime.max_num_tokens"
         )
-    if (
-        request.image_span
-        and (size := request.image_span[1] - request.image_span[0]) > runtime.max_num_tokens
-    ):
+    if why := masks.span_past_window(hf_config, request.bidirectional):
+        raise ConfigError(f"request {request.seq_id}: {why}; shorten its prompt")
+    if (span := request.unsplit_span) and span[1] - span[0] > runtime.max_num_tokens:
         raise ConfigError(
-            f"request {request.seq_id} has {size} image tokens > runtime.max_num_tokens={runtime.max_num_tokens}, "
-            "and a prefill chunk never splits a request's images; raise runtime.max_num_tokens"
+            f"request {request.seq_id} has {span[1] - span[0]} tokens one prefill step must hold whole (its "
+            f"images, and what the model attends both ways) > runtime.max_num_tokens={runtime.max_num_tokens}; "
+            "raise runtime.max_num_tokens"
         )
 
 
@@ -166,7 +194,7 @@ def build_requests(
             request = _from_query(parsed[seq_id % len(parsed)], seq_id, hf_config, dtype, device, sources)
         else:
             request = _synthetic(prompt, seq_id, hf_config, generator, dtype, device, sources)
-        _check_lengths(request, prompt, runtime, chunked)
+        _check_lengths(request, prompt, runtime, chunked, hf_config)
         requests.append(request)
     return requests
 

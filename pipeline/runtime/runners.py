@@ -4,10 +4,13 @@ ids)`, `release(request)`), each returning the logits of the rows that sample a 
 - `PagedRunner` for a model whose captured graph has cached attention (insert_cached_attention):
   every step packs the new tokens of its sequences into one row [1, T] (prefill chunks of any
   length, or one token per sequence in decode), with explicit position ids, and binds the paged
-  KV cache and the step's sequence metadata to the graph's inputs. The eager parts (vision tower,
-  image merging, lm_head) run as HF wrote them.
+  KV cache and the step's sequence metadata to the graph's inputs (and, for a family whose prompt
+  spans attend both ways, each token's block from its request: models/masks.py). The eager parts
+  (vision tower, image merging, lm_head) run as HF wrote them.
 - `EagerRunner` for `capture=none`: the HF model with its own attention and DynamicCache, a wave
-  of whole prompts left-padded, so the eager baseline runs through the same loop and timers.
+  of whole prompts left-padded, so the eager baseline runs through the same loop and timers; the
+  prefill gets the token_type_ids the family's processor would give, so HF builds the same mask.
+Both pass positions as the model counts them (from 1 for PaliGemma: models/probe.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from torch import fx, nn
 
 from pipeline.attention.kv_cache import PagedKVCache, pages_for
 from pipeline.config import RuntimeConfig
-from pipeline.graphs import range_name, record_of
+from pipeline.graphs import find_language_models, range_name, record_of
+from pipeline.models import masks, probe
 from pipeline.models.images import concat_pixels
 from pipeline.runtime.positions import Positions
 from pipeline.runtime.requests import Request
@@ -47,7 +51,8 @@ class PagedRunner:
 
     def __init__(self, model: nn.Module, graph: fx.GraphModule, hf_config, runtime: RuntimeConfig, device):
         self.model, self.graph, self.device = model, graph, device
-        self.positions = Positions(model, hf_config)
+        self.positions = Positions(model, hf_config, record_of(graph).position_offset)
+        self.blocks = any(n.op == "placeholder" and n.target == "token_block" for n in graph.graph.nodes)
         specs = record_of(graph).cache_specs
         self.cache = PagedKVCache(specs, pages_for(runtime, specs), runtime.attn_page_size, device)
         self.step_inputs: dict[str, torch.Tensor] = {}
@@ -72,6 +77,11 @@ class PagedRunner:
             }
             ends = torch.tensor(lengths).cumsum(0) - 1
             last = ends[[i for i, c in enumerate(chunks) if c.completes]].to(self.device)  # rows to keep
+            if self.blocks:  # [T, 2]: each token's bidirectional block in its sequence
+                blocks = [
+                    b for c in chunks for b in masks.token_blocks(c.request.bidirectional, c.start, c.end)
+                ]
+                self.step_inputs["token_block"] = torch.tensor(blocks).to(self.device)
         return self._run([c.request for c in chunks], lengths, kwargs, last)
 
     def decode(self, requests: list[Request], ids: torch.Tensor) -> torch.Tensor:
@@ -81,11 +91,15 @@ class PagedRunner:
             meta = self._reserve(requests, lengths)
             # A decode token sits at its sequence's cached length (plus its grid delta): positions
             # come from the metadata already on the device, not from another host copy.
-            positions = meta["cache_lens"].long()
+            positions = meta["cache_lens"].long() + self.positions.offset
             deltas = [self.positions.of(r)[1] for r in requests] if self.positions.mrope else []
             if any(deltas):
                 positions = positions + torch.tensor(deltas).to(self.device, non_blocking=True)
             kwargs = {"input_ids": ids[None], "position_ids": positions[None]}  # [1, B]
+            if self.blocks:  # generated tokens are in no block
+                self.step_inputs["token_block"] = torch.zeros(
+                    len(requests), 2, dtype=torch.long, device=self.device
+                )
         return self._run(requests, lengths, kwargs, last=None)
 
     def _reserve(self, requests: list[Request], lengths: list[int]) -> dict[str, torch.Tensor]:
@@ -125,7 +139,12 @@ class EagerRunner:
         from transformers import DynamicCache
 
         self.model, self.pad_id, self.device = model, pad_id, device
-        self.positions = Positions(model, hf_config)
+        self.hf_config = hf_config
+        lm_paths = find_language_models(model, getattr(hf_config, "text_config", None) or hf_config)
+        offset = probe.first_position(
+            model, lm_paths[0] if len(lm_paths) == 1 else "", torch.tensor([[pad_id]], device=device)
+        )
+        self.positions = Positions(model, hf_config, offset)
         self.cache_cls = DynamicCache
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, S] of every prefilled row
@@ -145,6 +164,11 @@ class EagerRunner:
             grids = [self.positions.of(r) for r in requests]
             self.deltas = torch.tensor([[delta] for _, delta in grids]).to(self.device)  # [B, 1]
             kwargs = {"input_ids": ids.to(self.device), **_images(chunks)}
+            types = [masks.token_type_ids(self.hf_config, r.prompt) for r in requests]
+            if types[0] is not None:  # left-padded as the ids; pads are masked out anyway
+                kwargs["token_type_ids"] = torch.tensor(
+                    [[0] * (width - len(t)) + t for t in types], device=self.device
+                )
             if any(grid is not None for grid, _ in grids):  # [3, B, W], left-padded with position 0
                 kwargs["position_ids"] = torch.stack(
                     [
@@ -173,7 +197,8 @@ class EagerRunner:
 
     def _run(self, kwargs: dict, width: int) -> torch.Tensor:
         if "position_ids" not in kwargs:  # text positions of each row plus its grid delta: [B, S]
-            kwargs["position_ids"] = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:] + self.deltas
+            positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+            kwargs["position_ids"] = positions + self.deltas + self.positions.offset
         kwargs.update(attention_mask=self.mask, past_key_values=self.cache, use_cache=True)
         with torch.no_grad():
             return self.model(**kwargs).logits[:, -1]

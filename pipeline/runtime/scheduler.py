@@ -34,8 +34,9 @@ class Chunk:
 
     @property
     def has_images(self) -> bool:
-        span = self.request.images_at
-        return span is not None and self.start <= span[0] and span[1] <= self.end
+        """The request's images are in this chunk (all of them: a chunk never splits them)."""
+        span = self.request.unsplit_span
+        return bool(self.request.images) and self.start <= span[0] and span[1] <= self.end
 
 
 class Scheduler:
@@ -44,11 +45,11 @@ class Scheduler:
     ):
         """waves: the eager runner's whole-prompt waves (see the module's docstring)."""
         for request in requests:
-            span = request.images_at
+            span = request.unsplit_span
             if span is not None and span[1] - span[0] > max_num_tokens:
                 raise ValueError(
-                    f"request {request.seq_id}'s images take {span[1] - span[0]} tokens, more than one prefill "
-                    f"step's runtime.max_num_tokens={max_num_tokens}; raise it"
+                    f"request {request.seq_id} has {span[1] - span[0]} tokens one prefill step must hold whole, "
+                    f"more than runtime.max_num_tokens={max_num_tokens}; raise it"
                 )
         self.waiting: deque[Request] = deque(requests)
         self.partial: deque[tuple[Request, int]] = deque()  # admitted, prompt cached up to the int
@@ -67,7 +68,7 @@ class Scheduler:
         """Where a chunk from `start` with `budget` tokens ends: the prompt's end, the budget, or the
         start of the image span the budget would cut into."""
         end = min(len(request.prompt), start + budget)
-        span = request.images_at
+        span = request.unsplit_span
         if span is not None and span[0] < end < span[1]:
             end = span[0]
         return max(end, start)

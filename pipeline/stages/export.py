@@ -45,7 +45,9 @@ def run(state: RunState) -> StageResult:
 
     state.reference = correctness.reference_outputs(state.model, state.check_calls)
     try:
-        model, state.captured = graph_capture.capture(state.model, paths, capture_call)
+        model, state.captured = graph_capture.capture(
+            state.model, paths, capture_call, state.model_info.position_offset
+        )
     except graph_capture.ExportFailed as failed:
         exc, path = failed.__cause__, failed.path
         (state.run_dir / "logs" / f"export_{path or 'root'}_partial_graph.txt").write_text(failed.console)

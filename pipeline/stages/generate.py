@@ -22,7 +22,7 @@ def run(state: RunState) -> StageResult:
     try:
         engine = DemoLLM(state.model, state.hf_config, cfg.runtime, state.device, eos_ids(state.hf_config))
     except ValueError as exc:
-        raise StageFailure(str(exc)) from exc
+        raise StageFailure(f"{exc}{_why_no_cache(state)}") from exc
     params = SamplingParams(**vars(cfg.runtime.sampling))
     # A compiling or graph-capturing backend compiles the step shapes it first meets: warm up once so
     # the measured run times steps, not compilation (benchmark mode always warms up).
@@ -43,3 +43,22 @@ def run(state: RunState) -> StageResult:
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
     resources, resource_notes = generation.resource_metrics(state.model, engine)
     return StageResult(metrics=metrics | resources, artifacts=[tokens_file], notes=notes + resource_notes)
+
+
+CACHE_TRANSFORMS = ("match_attention", "insert_cached_attention")
+
+
+def _why_no_cache(state: RunState) -> str:
+    """What the transform history says about the two transforms a cached graph needs: disabled or
+    missing (then the switch to turn on), or applied without a match (then that transform's record
+    in transforms/report.json, with where its pattern stopped)."""
+    history = state.transform_history
+    records = history.records if history else []
+    for name in CACHE_TRANSFORMS:
+        mine = [r for r in records if r.transform == name]
+        if not mine or all(r.status == "disabled" for r in mine):
+            return f"; transforms.{name} is not enabled: enable it (conf/transforms/default.yaml)"
+        if not any(r.matches for r in mine):
+            reason = next((r.reason for r in mine if r.reason), "no reason recorded")
+            return f"; transforms.{name} matched nothing ({reason}): see transforms/report.json"
+    return ""

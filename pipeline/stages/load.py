@@ -5,7 +5,7 @@ image processor)."""
 from __future__ import annotations
 
 from pipeline.graphs import find_language_models
-from pipeline.models import build, checkpoint, zoo
+from pipeline.models import build, checkpoint, meta, probe, zoo
 from pipeline.models.images import checkpoint_image_processor
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_count
@@ -48,8 +48,9 @@ def run(state: RunState) -> StageResult:
         )
     state.model = model
     lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
+    skeleton = meta.meta_model(model_cls, state.hf_config)
     state.sources = Sources(
-        load_tokenizer(model_cfg.checkpoint), checkpoint_image_processor(model_cfg.checkpoint)
+        load_tokenizer(model_cfg.checkpoint), checkpoint_image_processor(model_cfg.checkpoint), skeleton
     )
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
@@ -62,9 +63,23 @@ def run(state: RunState) -> StageResult:
         decode_bytes=decode_weight_bytes(model, lm_paths[0] if lm_paths else ""),
     )
     state.example_inputs = make_example_inputs(
-        state.hf_config, EXAMPLE_BATCH, state.cfg.prompt.image_size, state.dtype, state.device, state.cfg.seed
+        state.hf_config,
+        EXAMPLE_BATCH,
+        state.cfg.prompt.image_size,
+        state.dtype,
+        state.device,
+        state.cfg.seed,
+        skeleton,
+        state.sources.image_processor,
     )
     info = state.model_info
+    info.position_offset = probe.first_position(
+        model, lm_paths[0] if len(lm_paths) == 1 else "", state.example_inputs.text["input_ids"][:1, :2]
+    )
+    if info.position_offset:
+        notes.append(f"the model counts positions from {info.position_offset}; explicit positions do too")
+    if state.example_inputs.note:
+        notes.append(state.example_inputs.note)
     return StageResult(
         metrics={
             "model/params": info.params,

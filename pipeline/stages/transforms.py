@@ -15,7 +15,9 @@ from pipeline.transforms import registry
 
 def run(state: RunState) -> StageResult:
     transforms = registry.parse(state.cfg.transforms)
-    ctx = registry.TransformContext(state.attention, state.cfg.runtime.attn_page_size, state.device)
+    ctx = registry.TransformContext(
+        state.attention, state.cfg.runtime.attn_page_size, state.device, state.hf_config
+    )
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()
     try:

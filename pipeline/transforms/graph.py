@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
@@ -72,25 +74,100 @@ def fake_value(fn, *args) -> Any:
         return fn(*values)
 
 
-def add_inputs(gm: fx.GraphModule, names: list[str]) -> list[fx.Node]:
-    """New kwargs inputs of an exported graph module: placeholders, and the pytree input spec its
-    generated forward unpacks (the graph stays kwargs-only). Export's own input-constraint hook
-    checks the inputs it was exported with, so it goes."""
-    from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
-    from torch.utils import _pytree as pytree
+def graph_kwargs(gm: fx.GraphModule) -> dict[str, Any]:
+    """Each kwarg of an exported graph's forward -> its placeholder, or the container of them its
+    input spec unpacks (a dict of masks, say)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    _, kwargs = pytree.tree_unflatten(placeholders, gm.graph._codegen.pytree_info.in_spec)
+    return dict(kwargs)
 
+
+def set_graph_kwargs(gm: fx.GraphModule, kwargs: dict[str, Any]) -> None:
+    """The graph's forward takes exactly these kwargs (placeholders, or containers of them, in the
+    graph's placeholder order): its input spec and generated forward follow. Export's own checks of
+    the inputs it was exported with (its input-constraint hook, and the `_guards_fn` node that
+    reads every input) go."""
+    _drop_export_guards(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if pytree.tree_leaves(kwargs) != placeholders:
+        raise ValueError(f"{type(gm).__name__}: the kwargs' placeholders are not the graph's, in order")
+    spec = pytree.tree_structure(((), kwargs))
+    out_spec = gm.graph._codegen.pytree_info.out_spec
+    gm.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(list(kwargs), spec, out_spec))
+    gm._in_spec = spec
+    for key, hook in list(gm._forward_pre_hooks.items()):
+        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+            del gm._forward_pre_hooks[key]
+
+
+def _drop_export_guards(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+
+
+def add_inputs(gm: fx.GraphModule, names: list[str]) -> list[fx.Node]:
+    """New kwargs inputs of an exported graph module, after its others (the graph stays kwargs-only)."""
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    kwargs = graph_kwargs(gm)
     nodes = []
     for name in names:
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(name)
         nodes.append(last)
-    codegen = gm.graph._codegen
-    all_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    spec = pytree.tree_structure(((), dict.fromkeys(all_names, 0)))
-    gm.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(all_names, spec, codegen.pytree_info.out_spec))
-    gm._in_spec = spec
-    for key, hook in list(gm._forward_pre_hooks.items()):
-        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
-            del gm._forward_pre_hooks[key]
+        kwargs[name] = last
+    set_graph_kwargs(gm, kwargs)
     return nodes
+
+
+def _reroute_sizes(leaf: fx.Node, kept: list[fx.Node]) -> None:
+    """Point the `sym_size` reads of `leaf` at a kept input with the same symbolic size: export takes
+    the batch size from whichever input it met first (HF's mask, say)."""
+    for user in list(leaf.users):
+        size = user.meta.get("val")
+        if not (is_op(user, aten.sym_size.int) and isinstance(size, torch.SymInt)):
+            continue
+        for other in kept:
+            value = other.meta.get("val")
+            shape = value.shape if isinstance(value, torch.Tensor) else ()
+            dim = next(
+                (
+                    d
+                    for d, s in enumerate(shape)
+                    if isinstance(s, torch.SymInt) and s.node.expr == size.node.expr
+                ),
+                None,
+            )
+            if dim is not None:
+                user.args = (other, dim)
+                break
+
+
+def drop_unused_inputs(gm: fx.GraphModule) -> list[str]:
+    """Remove the kwargs no node reads any more (HF's mask once cached attention replaced the
+    attention that read it; a read of its size goes to another input of that size); returns their
+    names."""
+    _drop_export_guards(gm)
+    kwargs = graph_kwargs(gm)
+    leaves_of = {name: pytree.tree_leaves(value) for name, value in kwargs.items()}
+
+    def only_sizes_read(leaves: list[fx.Node]) -> bool:
+        return all(is_op(user, aten.sym_size.int) for leaf in leaves for user in leaf.users)
+
+    # Inputs something computes with keep their sizes; the others' size reads move to them
+    kept = [leaf for leaves in leaves_of.values() if not only_sizes_read(leaves) for leaf in leaves]
+    dropped = []
+    for name, leaves in leaves_of.items():
+        if not leaves or not only_sizes_read(leaves):
+            continue
+        for leaf in leaves:
+            _reroute_sizes(leaf, kept)
+        if not any(leaf.users for leaf in leaves):
+            for leaf in leaves:
+                gm.graph.erase_node(leaf)
+            del kwargs[name]
+            dropped.append(name)
+    set_graph_kwargs(gm, kwargs)
+    return dropped

@@ -5,13 +5,16 @@ history.
 The graph gains kwargs inputs: one cache per attention layer (`kv_cache_<i>`: [2, pages, page_size,
 Hkv, D]) and the step's sequence metadata (`qo_indptr`, `cache_lens`, `page_table`), and one
 `pipeline::attention_plan` node, before the first layer, that turns the metadata into per-token
-sequence/position/slot tensors for all layers. The causal mask HF computed from shapes is dropped;
-the layer's sliding window or attention chunk (Llama-4's chunked layers) comes from the text
-config's `layer_types` and goes to the op. In a full graph of a VLM only the language model's
+sequence/position/slot tensors for all layers. The mask HF computed is dropped (and with it the
+graph inputs only it read); what it meant goes to the op: the layer's sliding window or attention
+chunk (Llama-4's chunked layers) from the text config's `layer_types`, the logit cap from the
+matched attention, and, for a family whose prompt spans attend both ways (models/masks.py), a
+`token_block` input [T, 2] the runtime fills from each request. In a full graph of a VLM only the language model's
 attention (under the record's `language_model_prefix`, set at export) gets a cache. The graph's
 record then carries `cache_specs` (what to allocate) and a `runtime_inputs` provider the kwargs
 adapter calls for those inputs: by default a fresh cache per call (each call is a prefill of new
-sequences, so a plain forward still works and is checked against eager); demollm binds its own.
+sequences, so a plain forward still works and is checked against eager; its blocks are read from
+the mask HF built for the call, or the call's token_type_ids); demollm binds its own.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pipeline.attention import (
 )
 from pipeline.attention.kv_cache import CacheSpec, PagedKVCache
 from pipeline.graphs import first_tensor, record_of
-from pipeline.transforms.graph import add_inputs, finish, is_op, replace
+from pipeline.models import masks
+from pipeline.transforms.graph import add_inputs, drop_unused_inputs, finish, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
@@ -69,18 +73,32 @@ def _window_and_chunk(text_config, layer: int | None) -> tuple[int, int]:
 
 
 class FreshCacheInputs:
-    """Runtime inputs for a plain forward call: the call's N sequences of S tokens are new."""
+    """Runtime inputs for a plain forward call: the call's N sequences of S tokens are new.
+    blocks: the model's HF config, for a graph that takes `token_block`."""
 
-    def __init__(self, specs: list[CacheSpec], page_size: int):
-        self.specs, self.page_size = specs, page_size
+    def __init__(self, specs: list[CacheSpec], page_size: int, blocks=None):
+        self.specs, self.page_size, self.blocks = specs, page_size, blocks
 
-    def __call__(self, call: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, call: dict) -> dict[str, torch.Tensor]:
         first = first_tensor(call)  # input_ids [N, S] or inputs_embeds [N, S, H]
         batch, seq = first.shape[0], first.shape[1]
         cache = PagedKVCache(self.specs, batch * -(-seq // self.page_size) + 1, self.page_size, first.device)
         for i in range(batch):
             cache.reserve(i, seq)
-        return {**cache.tensors, **cache.metadata(list(range(batch)), [seq] * batch, first.device)}
+        inputs = {**cache.tensors, **cache.metadata(list(range(batch)), [seq] * batch, first.device)}
+        if self.blocks is not None:
+            inputs["token_block"] = self._token_block(call, batch, seq, first.device)
+        return inputs
+
+    def _token_block(self, call: dict, batch: int, seq: int, device) -> torch.Tensor:
+        """[N * S, 2]: from the mask HF built (what a language model graph receives), else the
+        call's token_type_ids (a whole-model graph), else none."""
+        blocks = masks.blocks_from_mask(call.get("attention_mask"))
+        if blocks is None and isinstance(call.get("token_type_ids"), torch.Tensor):
+            blocks = masks.blocks_from_token_types(self.blocks, call["token_type_ids"])
+        if blocks is None:
+            blocks = torch.zeros(batch, seq, 2, dtype=torch.long, device=device)
+        return blocks.reshape(-1, 2).to(device)
 
 
 @register
@@ -89,11 +107,7 @@ class InsertCachedAttention(Transform):
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         record = record_of(gm)
-        nodes = [
-            n
-            for n in gm.graph.nodes
-            if is_op(n, ATTENTION) and _in_language_model(n, record.language_model_prefix)
-        ]
+        nodes = self._attention_nodes(gm)
         if not nodes:
             return 0
         op = cached_attention_op(ctx.attention)
@@ -105,13 +119,9 @@ class InsertCachedAttention(Transform):
             specs.append(
                 CacheSpec(f"kv_cache_{i}", int(k_value.shape[1]), int(k_value.shape[3]), k_value.dtype)
             )
-        inputs = dict(
-            zip(
-                [s.input_name for s in specs] + list(METADATA),
-                add_inputs(gm, [s.input_name for s in specs] + list(METADATA)),
-                strict=True,
-            )
-        )
+        blocks = ctx.hf_config is not None and masks.uses_blocks(ctx.hf_config)
+        names = [s.input_name for s in specs] + list(METADATA) + (["token_block"] if blocks else [])
+        inputs = dict(zip(names, add_inputs(gm, names), strict=True))
         metadata = [inputs[m] for m in METADATA]
         # Once per step, in the first layer's attention: every packed token's sequence, offset,
         # position and cache slot, which all layers share. It takes that attention's module stack,
@@ -122,15 +132,32 @@ class InsertCachedAttention(Transform):
         if "nn_module_stack" in nodes[0].meta:
             plan.meta["nn_module_stack"] = dict(nodes[0].meta["nn_module_stack"])
         for spec, node in zip(specs, nodes, strict=True):
-            q, k, v, _mask, scale, _is_causal = node.args
+            q, k, v, _mask, scale, _is_causal, softcap = node.args
             window, chunk = _window_and_chunk(record.text_config, _layer_index(node))
             with gm.graph.inserting_before(node):
                 cached = gm.graph.call_function(
-                    op, (q, k, v, inputs[spec.input_name], *metadata, *tokens, scale, window, chunk)
-                )
+                    op,
+                    (q, k, v, inputs[spec.input_name], *metadata, *tokens, inputs.get("token_block"), scale,
+                     softcap, window, chunk),
+                )  # fmt: skip
             replace(node, cached)
             gm.graph.erase_node(node)
+        gm.graph.eliminate_dead_code()
+        record.unused_inputs += drop_unused_inputs(gm)
+        record.tensor_inputs = [n for n in record.tensor_inputs if n not in record.unused_inputs]
         finish(gm)
         record.cache_specs = specs
-        record.runtime_inputs = FreshCacheInputs(specs, ctx.page_size)
+        record.runtime_inputs = FreshCacheInputs(specs, ctx.page_size, ctx.hf_config if blocks else None)
         return len(nodes)
+
+    @staticmethod
+    def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+        prefix = record_of(gm).language_model_prefix
+        return [n for n in gm.graph.nodes if is_op(n, ATTENTION) and _in_language_model(n, prefix)]
+
+    def unmatched(self, gm: fx.GraphModule) -> list[str]:
+        if record_of(gm).has_cache or self._attention_nodes(gm):
+            return []
+        return [
+            "no pipeline::attention op in the language model: match_attention rewrote none (its record says why)"
+        ]

@@ -44,6 +44,7 @@ class TransformContext:
     attention: str  # the resolved attention= backend: torch | triton | flashinfer
     page_size: int  # runtime.attn_page_size
     device: torch.device
+    hf_config: Any = None  # the whole model's HF config (what its mask function means: models/masks.py)
 
 
 class Transform:
@@ -69,6 +70,11 @@ class Transform:
 
     def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
         raise NotImplementedError
+
+    def unmatched(self, gm: fx.GraphModule) -> list[str]:
+        """After apply_graph: what in the graph looks like this transform's pattern and was not
+        rewritten, each with where the pattern stopped (a matcher explains itself); [] for none."""
+        return []
 
 
 TRANSFORMS: dict[str, type[Transform]] = {}
@@ -122,6 +128,7 @@ class TransformRecord:
     seconds: float = 0.0
     reason: str = ""
     scope: str = ""  # subgraph | model: the pass this record is of
+    unmatched: list[str] = field(default_factory=list)  # candidates left, and where each stopped
 
 
 @dataclass
@@ -238,6 +245,11 @@ def _apply_one(
         record.status = "skipped"
     record.seconds = time.perf_counter() - start
     record.nodes_after = _node_count(target)
+    if record.status == "applied" and scope == "subgraph":
+        record.unmatched = transform.unmatched(target)
+        if record.unmatched and not record.matches:
+            more = f" (and {len(record.unmatched) - 1} more)" if len(record.unmatched) > 1 else ""
+            record.reason = f"nothing matched: {record.unmatched[0]}{more}"
     return record
 
 

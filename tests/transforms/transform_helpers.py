@@ -4,12 +4,8 @@ reference on the same calls, and a run of the configured transforms."""
 from __future__ import annotations
 
 import torch
-from conftest import TINY_MODELS, compose_cfg, transform_context
+from conftest import TINY_MODELS, build_tiny, capture_tiny, compose_cfg, transform_context
 
-from pipeline.export import graph_capture
-from pipeline.graphs import find_language_models
-from pipeline.models import build, zoo
-from pipeline.models.inputs import make_example_inputs
 from pipeline.transforms import registry
 
 # Per tiny model (2 text layers): attention layers, rotated tensors (q and k per RoPE layer),
@@ -35,23 +31,11 @@ EXPECTED = {name: TWO_LAYERS for name in TINY_MODELS} | {
 def captured(name: str, attn_implementation: str | None = None):
     """A tiny model with its language model (text models: the whole model) exported and swapped in,
     the check calls, and the eager logits on them."""
-    cfg = compose_cfg([f"model={name}"])
-    hf_config = zoo.build_hf_config(cfg.model)
-    model, _ = build.build_random(
-        zoo.resolve_model_class(cfg.model, hf_config),
-        hf_config,
-        torch.float32,
-        torch.device("cpu"),
-        0,
-        attn_implementation,
-    )
-    examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), 0)
+    model, hf_config, examples = build_tiny(name, attn_implementation=attn_implementation)
     calls = {"text": examples.text} | ({"image": examples.image} if examples.image else {})
     with torch.no_grad():
         reference = {k: model(**c).logits for k, c in calls.items()}
-    call = examples.image or examples.text
-    paths = find_language_models(model, zoo.text_config_of(hf_config)) if examples.image else [""]
-    model, _ = graph_capture.capture(model, paths, call)
+    model, _ = capture_tiny(model, hf_config, examples)
     return model, calls, reference
 
 
