@@ -34,6 +34,7 @@ bench: setup
 # The embedded store of every run (tracking.uri unset), on 127.0.0.1 only.
 PORT ?= 5000
 ui: setup
+	@$(PY) -m pipeline.tools.ui_url --port $(PORT)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)
 
 lint: setup

@@ -70,7 +70,8 @@ def _job_name(hydra_cfg) -> str | None:
 def _record_failure(cfg: DictConfig, exc: BaseException) -> None:
     hydra_cfg = HydraConfig.get()
     folder = Path(hydra_cfg.runtime.output_dir)
-    record_job_failure(cfg, folder, _job_name(hydra_cfg) or folder.name, exc)
+    overrides = list(hydra_cfg.overrides.task)
+    record_job_failure(cfg, folder, _job_name(hydra_cfg) or folder.name, exc, overrides)
 
 
 @dataclass
@@ -157,7 +158,8 @@ def _job(cfg: DictConfig) -> None:
         log.warning(note)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    Runner(config, run_dir, checked.hf_config, _job_name(hydra_cfg), dtype).run()
+    overrides = list(hydra_cfg.overrides.task)
+    Runner(config, run_dir, checked.hf_config, _job_name(hydra_cfg), dtype, overrides).run()
     log.info("run folder: %s", run_dir)
 
 

@@ -16,16 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
+from pipeline import run_identity
 from pipeline.config import PipelineConfig, resolve_attention, resolve_backend
 from pipeline.devices import dtype_name, resolve_device, resolve_dtype
 from pipeline.errors import RunFailed, short_cause
 from pipeline.faults import maybe_pause
+from pipeline.models.zoo import text_config_of
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, profile, report, transforms
 from pipeline.state import RunState, StageRecord, StageResult
 from pipeline.sweep import SUMMARY_FILE, SWEEP_PARENT_ENV
-from pipeline.tracking import Tracker, flatten_params, git_commit
+from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,6 @@ STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
 ]
 
 
-def run_name(cfg: PipelineConfig) -> str:
-    return f"{cfg.model.name}-{cfg.capture.mode}-{cfg.backend.name}"
-
-
 class Runner:
     def __init__(
         self,
@@ -54,10 +53,11 @@ class Runner:
         hf_config,
         name: str | None = None,
         dtype: torch.dtype | None = None,
+        overrides: list[str] | None = None,
     ):
         """name: the MLflow run name (a sweep passes its swept values); default from the config.
-        dtype: as resolved before loading (dtype=auto may pick bfloat16 to fit); default from cfg."""
-        self.name = name or run_name(cfg)
+        dtype: as resolved before loading (dtype=auto may pick bfloat16 to fit); default from cfg.
+        overrides: the command line's, logged as a param."""
         device = resolve_device(cfg.device)
         self.state = RunState(
             cfg=cfg,
@@ -68,6 +68,8 @@ class Runner:
             attention=resolve_attention(cfg.attention.name, device.type == "cuda"),
             hf_config=hf_config,
         )
+        self.name = name or run_identity.run_name(cfg, self.state.backend)
+        self.overrides = overrides or []
         self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, cfg.tracking.enabled)
 
     def _tags(self) -> dict[str, str]:
@@ -81,9 +83,18 @@ class Runner:
             "attention_resolved": state.attention,
             "device": str(state.device),
             "dtype": dtype_name(state.dtype),
-            "git_commit": git_commit(),
             "run_dir": str(state.run_dir.resolve()),
         }
+
+    def _params(self) -> dict[str, str]:
+        state = self.state
+        layers = (
+            getattr(text_config_of(state.hf_config), "num_hidden_layers", None) if state.hf_config else None
+        )
+        return run_identity.compared_params(
+            state.cfg, backend=state.backend, attention=state.attention, dtype=state.dtype,
+            device=state.device, text_layers=layers if layers is not None else "?", overrides=self.overrides,
+        )  # fmt: skip
 
     def run(self) -> RunState:
         state = self.state
@@ -91,12 +102,14 @@ class Runner:
         tags = self._tags()
         if parent := os.environ.get(SWEEP_PARENT_ENV):  # a job of a sweep: a child of its parent run
             tags["mlflow.parentRunId"] = parent
-        self.tracker.start(self.name, tags, flatten_params(state.cfg))
+        params = self._params()
+        self.tracker.start(self.name, tags, params, run_identity.description(params))
+        self.tracker.log_dict(OmegaConf.to_container(OmegaConf.structured(state.cfg)), "config.yaml")
         self.tracker.log_artifact(state.run_dir / ".hydra")
         start = time.perf_counter()
         for name, stage in STAGES:
             log.info("[%s] ...", name)
-            t0 = time.perf_counter()
+            t0, started_ns = time.perf_counter(), time.time_ns()
             try:
                 maybe_pause(name)
                 result = stage(state)
@@ -105,7 +118,9 @@ class Runner:
                     "[%s] interrupted after %.1f s; the run is marked KILLED", name, time.perf_counter() - t0
                 )
                 state.stages.append(
-                    StageRecord(name, "killed", time.perf_counter() - t0, cause="interrupted")
+                    StageRecord(
+                        name, "killed", time.perf_counter() - t0, cause="interrupted", started_ns=started_ns
+                    )
                 )
                 self._fail(name, "interrupted", status="KILLED")
                 raise
@@ -113,36 +128,61 @@ class Runner:
                 cause = short_cause(exc)
                 (state.run_dir / "logs" / f"{name}_traceback.txt").write_text(traceback.format_exc())
                 log.error("[%s] FAILED after %.1f s: %s", name, time.perf_counter() - t0, cause)
-                state.stages.append(StageRecord(name, "failed", time.perf_counter() - t0, cause=cause))
+                state.stages.append(
+                    StageRecord(name, "failed", time.perf_counter() - t0, cause=cause, started_ns=started_ns)
+                )
                 self._fail(name, cause, status="FAILED")
                 raise RunFailed(name, cause) from exc
             seconds = time.perf_counter() - t0
+            metrics = {f"stage/{name}_s": seconds, **result.metrics}
             state.stages.append(
-                StageRecord(
-                    name,
-                    "done",
-                    seconds,
-                    result.notes,
-                    {f"time/{name}_s": seconds, **result.metrics},
-                    result.tags,
-                )
+                StageRecord(name, "done", seconds, result.notes, metrics, result.tags, started_ns=started_ns)
             )
             for note in result.notes:
                 log.info("[%s] %s", name, note)
             log.info("[%s] done in %.1f s", name, seconds)
-            self.tracker.log_metrics({f"time/{name}_s": seconds, **result.metrics})
-            self.tracker.set_tags(result.tags)
-            for path in result.artifacts:
-                self.tracker.log_artifact(path)
-            for key, path in result.images.items():
-                self.tracker.log_image(key, path)
-        self.tracker.log_metrics({"time/total_s": time.perf_counter() - start})
+            self._log_result(metrics, result)
+        self.tracker.log_metrics({"stage/total_s": time.perf_counter() - start})
         for line in headline(state, state.run_dir / "report" / "report.html"):
             log.info("summary: %s", line)
         self._log_job_log()
+        self._log_stage_spans()
         self.tracker.end("FINISHED")
         self._write_summary("FINISHED")
         return state
+
+    def _log_result(self, metrics: dict[str, float], result: StageResult) -> None:
+        tracker = self.tracker
+        tracker.log_metrics(metrics)
+        tracker.set_tags(result.tags)
+        for key, values in result.steps.items():
+            tracker.log_steps(key, values)
+        for path in result.artifacts:
+            tracker.log_artifact(path)
+        for key, path in result.images.items():
+            tracker.log_image(key, path)
+        for artifact_file, columns in result.tables.items():
+            tracker.log_table(columns, artifact_file)
+        if result.workload:
+            tracker.log_workload(result.workload, f"workload-{self.state.cfg.model.name}")
+
+    def _log_stage_spans(self) -> None:
+        """The stages as one MLflow trace (the run's Traces tab): a span each, with its status."""
+        spans = [
+            (
+                r.name,
+                r.started_ns,
+                r.started_ns + int(r.seconds * 1e9),
+                "OK" if r.status == "done" else "ERROR",
+                {
+                    "status": r.status,
+                    "seconds": round(r.seconds, 3),
+                    **({"cause": r.cause} if r.cause else {}),
+                },
+            )
+            for r in self.state.stages
+        ]
+        self.tracker.log_spans(f"pipeline {self.name}", spans)
 
     def _fail(self, stage: str, cause: str, status: str) -> None:
         self.tracker.set_tags({"failed_stage": stage, "error": cause})
@@ -156,21 +196,28 @@ class Runner:
         for line in headline(self.state, report_page):
             log.info("summary: %s", line)
         self._log_job_log()
+        self._log_stage_spans()
         self.tracker.end(status)
         self._write_summary(status, stage, cause)
 
     def _write_summary(self, status: str, stage: str = "", cause: str = "") -> None:
         """summary.json in the run folder: what a sweep's comparison reads, with or without MLflow."""
         summary = {
-            "name": self.name,
+            "name": self.tracker.run_name or self.name,
             "status": status,
             "failed_stage": stage,
             "error": cause,
             "run_id": self.tracker.run_id,
-            "tags": self._tags(),
+            "tags": self._tags() | self._result_tags(),
             "metrics": metrics_of(self.state),
+            "overrides": self.overrides,
+            "params": self._params(),
+            "description": run_identity.description(self._params()),
         }
         (self.state.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+
+    def _result_tags(self) -> dict[str, str]:
+        return {k: v for record in self.state.stages for k, v in record.tags.items()}
 
     def _log_job_log(self) -> None:
         for handler in logging.getLogger().handlers:

@@ -56,6 +56,9 @@ class StageResult:
     notes: list[str] = field(default_factory=list)  # one line each, shown and logged
     tags: dict[str, str] = field(default_factory=dict)
     images: dict[str, Path] = field(default_factory=dict)  # MLflow image key -> PNG (same key every run)
+    tables: dict[str, dict[str, list]] = field(default_factory=dict)  # MLflow table file -> columns
+    steps: dict[str, list[float]] = field(default_factory=dict)  # metric -> value at steps 1..N
+    workload: dict[str, list] = field(default_factory=dict)  # the requests served, as columns
 
 
 @dataclass
@@ -69,6 +72,7 @@ class StageRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     cause: str = ""
+    started_ns: int = 0  # wall clock (time.time_ns) at the stage's start
 
 
 @dataclass

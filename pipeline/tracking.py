@@ -7,10 +7,13 @@ job goes on with its local outputs, says once and clearly what was not logged, a
 
 from __future__ import annotations
 
+import getpass
 import logging
+import math
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,11 @@ log = logging.getLogger(__name__)
 MAX_PARAM_KEY = 250
 MAX_PARAM_VALUE = 6000
 BATCH = 100  # params per log_batch call, MLflow's limit
+SIGNIFICANT_DIGITS = 4  # timings on a shared machine do not mean more
+SYSTEM_METRICS_INTERVAL_S = 2.0  # psutil samples (system/*): a tiny run lasts 20-60 s
+# The experiment opens in the UI's classic runs view where MLflow reads this (3.17 still opens the
+# GenAI view unless the URL says ?workflowType=machine_learning: `make ui` prints that URL).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def default_uri() -> str:
@@ -56,6 +64,31 @@ def flatten_params(cfg: DictConfig | Any) -> dict[str, str]:
     return flat
 
 
+def rounded(value: float) -> float:
+    """A metric's value to SIGNIFICANT_DIGITS; whole numbers (counts, bytes) stay exact."""
+    value = float(value)
+    if not math.isfinite(value) or value.is_integer():
+        return value
+    return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's own source tags (its Source, Version and User columns)."""
+    return {
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.source.name": "python -m pipeline",
+        "mlflow.source.type": "LOCAL",
+        "mlflow.user": _user(),
+    }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
@@ -64,6 +97,11 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 def _alive(pid: int) -> bool:
@@ -85,15 +123,17 @@ class Tracker:
         self.run_dir = run_dir
         self.enabled = enabled
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.client = None
         self.unlogged: list[str] = []
+        self.system_metrics = None  # MLflow's psutil sampler while the run is open
 
     @property
     def active(self) -> bool:
         return self.enabled and self.client is not None and self.run_id is not None
 
     def _offline(self, what: str, exc: BaseException) -> None:
-        reason = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = f"{what}: {short(exc)}"
         if not self.unlogged:  # once: every later call is already local-only
             log.warning(
                 "MLflow tracking at %s failed (%s); the run continues with local outputs only in %s",
@@ -110,13 +150,23 @@ class Tracker:
                 self.client.set_terminated(self.run_id, "FAILED")
             except Exception:  # the store is gone altogether
                 pass
+        self._stop_system_metrics()
         self.client = None
         (self.run_dir / "tracking_offline.txt").write_text(
             f"MLflow store: {self.uri}\nNot logged:\n" + "\n".join(self.unlogged) + "\n"
             f"Upload the finished folder later: python -m pipeline.tools.sync {self.run_dir}\n"
         )
 
-    def start(self, run_name: str, tags: dict[str, str], params: dict[str, str]) -> None:
+    def start(
+        self,
+        run_name: str,
+        tags: dict[str, str],
+        params: dict[str, str],
+        description: str = "",
+        system_metrics: bool = True,
+    ) -> None:
+        """Opens the run under `run_name`, made unique in the experiment (`·2` ...), with MLflow's
+        source tags, the description and (system_metrics) a psutil sampler until end()."""
         if not self.enabled:
             return
         # A tracking server that does not answer must not hold the job for minutes of retries.
@@ -131,22 +181,74 @@ class Tracker:
             if experiment is None:
                 try:
                     experiment_id = self.client.create_experiment(
-                        self.experiment, artifact_location=artifact_root(self.uri)
+                        self.experiment, artifact_location=artifact_root(self.uri), tags=EXPERIMENT_KIND
                     )
                 except Exception:  # created meanwhile by a parallel job
                     experiment_id = self.client.get_experiment_by_name(self.experiment).experiment_id
             else:
                 experiment_id = experiment.experiment_id
             self._close_stale_runs(experiment_id)
-            tags = {**tags, "host": socket.gethostname(), "pid": str(os.getpid())}
-            run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+            tags = {**source_tags(), **tags, "host": socket.gethostname(), "pid": str(os.getpid())}
+            if description:
+                tags["mlflow.note.content"] = description
+            run = self.client.create_run(
+                experiment_id, run_name=self._unique(experiment_id, run_name), tags=tags
+            )
             self.run_id = run.info.run_id
+            self.experiment_id = experiment_id
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), BATCH):
                 self.client.log_batch(self.run_id, params=items[i : i + BATCH])
-            log.info("MLflow run %s in experiment '%s' at %s", self.run_id, self.experiment, self.uri)
+            log.info(
+                "MLflow run '%s' (%s) in experiment '%s' at %s",
+                run.info.run_name,
+                self.run_id,
+                self.experiment,
+                self.uri,
+            )
         except Exception as exc:
             self._offline("starting the run", exc)
+            return
+        if system_metrics:
+            self._start_system_metrics()
+
+    @property
+    def run_name(self) -> str | None:
+        """The name the store gave the run (the asked-for one, or with a suffix)."""
+        if not self.active:
+            return None
+        return self.client.get_run(self.run_id).info.run_name
+
+    def _unique(self, experiment_id: str, name: str) -> str:
+        from pipeline.run_identity import unique
+
+        escaped = name.replace("'", "\\'")
+        runs = self.client.search_runs(
+            [experiment_id], filter_string=f"attributes.run_name LIKE '{escaped}%'", max_results=1000
+        )
+        return unique(name, {r.info.run_name for r in runs})
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's sampler of CPU, memory, disk, network (and GPU) use; needs psutil."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+            self.system_metrics = SystemMetricsMonitor(
+                self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S, tracking_uri=self.uri
+            )
+            self.system_metrics.start()
+        except Exception as exc:  # psutil missing: the run goes on without system/* metrics
+            log.warning("no system metrics: %s", short(exc))
+            self.system_metrics = None
+
+    def _stop_system_metrics(self) -> None:
+        if self.system_metrics is not None:
+            try:
+                self.system_metrics.finish()
+            except Exception:  # its last sample could not be written: the run's own data stands
+                pass
+            self.system_metrics = None
 
     def _close_stale_runs(self, experiment_id: str) -> None:
         """Runs this host left RUNNING whose process is gone (SIGKILL, a crash, a power cut) are
@@ -170,19 +272,88 @@ class Tracker:
             )
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        if not self.active or not metrics:
+        """Metrics at step 0, rounded (`rounded`)."""
+        self._log_metric_items([(k, v, 0) for k, v in metrics.items()])
+
+    def log_steps(self, key: str, values: list[float]) -> None:
+        """One metric over steps 1..N (the UI draws it as a line chart)."""
+        self._log_metric_items([(key, v, step) for step, v in enumerate(values, start=1)])
+
+    def _log_metric_items(self, items: list[tuple[str, float, int]]) -> None:
+        if not self.active or not items:
             return
         try:
-            import time
-
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
-            for i in range(0, len(items), 1000):
-                self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+            metrics = [Metric(k, rounded(v), now, step) for k, v, step in items]
+            for i in range(0, len(metrics), 1000):
+                self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         except Exception as exc:
-            self._offline(f"metrics {sorted(metrics)}", exc)
+            self._offline(f"metrics {sorted({k for k, _, _ in items})}", exc)
+
+    def log_dict(self, dictionary: dict[str, Any], artifact_file: str) -> None:
+        """A dict as a YAML or JSON artifact (by the file's suffix)."""
+        if not self.active:
+            return
+        try:
+            self.client.log_dict(self.run_id, dictionary, artifact_file)
+        except Exception as exc:
+            self._offline(f"artifact {artifact_file}", exc)
+
+    def log_table(self, columns: dict[str, list], artifact_file: str) -> None:
+        """Columns as an MLflow table: the UI's artifact compare shows it across runs."""
+        if not self.active or not columns:
+            return
+        try:
+            import pandas as pd
+
+            self.client.log_table(self.run_id, pd.DataFrame(columns), artifact_file)
+        except Exception as exc:
+            self._offline(f"table {artifact_file}", exc)
+
+    def log_workload(self, columns: dict[str, list], name: str) -> None:
+        """The requests a run served, as its input dataset (the UI's Datasets column)."""
+        if not self.active or not columns:
+            return
+        try:
+            import mlflow.data
+            import pandas as pd
+            from mlflow.entities import DatasetInput, InputTag
+
+            dataset = mlflow.data.from_pandas(pd.DataFrame(columns), name=name)
+            context = InputTag(key="mlflow.data.context", value="workload")
+            self.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
+        except Exception as exc:
+            self._offline(f"workload {name}", exc)
+
+    def log_spans(self, name: str, spans: list[tuple[str, int, int, str, dict[str, Any]]]) -> None:
+        """One MLflow trace linked to the run (its Traces tab): a root span over the given
+        (name, start ns, end ns, status OK|ERROR, attributes), one child span each."""
+        if not self.active or not spans:
+            return
+        import mlflow
+
+        before = mlflow.get_tracking_uri()
+        # Tracing exports through the process's tracking URI: this store, written before return.
+        os.environ["MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"] = "false"
+        logging.getLogger("mlflow.tracing").setLevel(logging.ERROR)
+        try:
+            mlflow.set_tracking_uri(self.uri)
+            failed = any(status != "OK" for *_, status, _ in spans)
+            root = self.client.start_trace(
+                name, experiment_id=self.experiment_id, run_id=self.run_id, start_time_ns=spans[0][1]
+            )
+            for span_name, start_ns, end_ns, status, attributes in spans:
+                span = self.client.start_span(
+                    span_name, root.trace_id, root.span_id, attributes=attributes, start_time_ns=start_ns
+                )
+                self.client.end_span(root.trace_id, span.span_id, status=status, end_time_ns=end_ns)
+            self.client.end_trace(root.trace_id, status="ERROR" if failed else "OK", end_time_ns=spans[-1][2])
+        except Exception as exc:  # a trace is a view of the stage times the run has as metrics
+            log.warning("the stage trace was not logged: %s", short(exc))
+        finally:
+            mlflow.set_tracking_uri(before)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if not self.active:
@@ -223,6 +394,7 @@ class Tracker:
         """status: FINISHED, FAILED or KILLED."""
         if not self.active:
             return
+        self._stop_system_metrics()
         try:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as exc:

@@ -24,6 +24,7 @@ LAYERS = [
     ["backends"],
     ["runtime"],
     ["profiler"],
+    ["run_identity"],
     ["tracking"],
     ["state"],
     ["correctness"],

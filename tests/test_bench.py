@@ -78,7 +78,7 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
         math.isfinite(r["tflops"]) and math.isfinite(r["gemm_tflops"]) for r in results["prefill"]["rows"]
     )
     run = results["run"]
-    assert run["status"] == "FINISHED" and run["stages"]["time/load_s"] > 0
+    assert run["status"] == "FINISHED" and run["stages"]["stage/load_s"] > 0
     assert run["profile"]["profile/overhead_ratio"] > 0
     assert "## Whole run" in text and "## Prefill" in text
     assert (tmp_path / "bench.png").stat().st_size > 10_000

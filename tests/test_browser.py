@@ -31,48 +31,114 @@ def ui_server(tracking_uri):
         yield url
 
 
-def test_sweep_parent_children_compare_and_plot_in_the_ui(tmp_path, tracking_uri, ui_server):
+def _names_fit(page, names: list[str]) -> dict[str, tuple[int, int]]:
+    """name -> (text width, cell width) in the runs table, for names the table cuts."""
+    cut = {}
+    for name in names:
+        link = page.get_by_text(name, exact=True).first
+        scroll, client = link.evaluate("e => [e.scrollWidth, e.clientWidth]")
+        if scroll > client:
+            cut[name] = (scroll, client)
+    return cut
+
+
+def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri, ui_server):
+    """A sweep over two models and two capture modes, and one single run, as a user opens them:
+    names unique and whole in the runs table at 1600 px, the parent's summary metrics, each run's
+    breakdown image in the chart view, the module table of two children side by side in the
+    artifact compare view, the compare page without a params dump."""
     sync_api = pytest.importorskip("playwright.sync_api")
     if not shutil.which("chromium") and not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (.ci/run installs it)")
+    common = [
+        "backend=torch-simple",
+        "prompt.output_len=4",
+        "profile.decode_steps=2",
+        f"tracking.uri={tracking_uri}",
+    ]
     proc = run_pipeline(
-        [
-            "-m",
-            "model=tiny_llama3_1_8b",
-            "capture=none,partial",
-            "backend=torch-simple",
-            "prompt.output_len=4",
-            "profile.decode_steps=2",
-            f"tracking.uri={tracking_uri}",
-        ],  # fmt: skip
-        tmp_path,
+        ["-m", "model=tiny_qwen3,tiny_llava", "capture=none,partial", *common], tmp_path / "sweep"
     )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_pipeline(["model=tiny_llava", "capture=partial", *common], tmp_path / "single")
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
     parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    names = [r.info.run_name for r in runs]
+    assert sorted(names) == sorted(
+        ["sweep·model×capture", "qwen3·eager", "qwen3·partial", "llava·eager", "llava·partial",
+         "tiny_llava·part·simple"]
+    )  # fmt: skip
+    assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 0
+    assert parent.data.params["sweep.model"] == "tiny_qwen3,tiny_llava"
     experiment = parent.info.experiment_id
     SHOTS.mkdir(parents=True, exist_ok=True)
 
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        page.goto(f"{ui_server}/#/experiments/{experiment}/runs")
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        runs_view = f"{ui_server}/#/experiments/{experiment}/runs?workflowType=machine_learning"
+        page.goto(runs_view)
         page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
+        close_assistant(page)
         # Children are folded under their parent: expand it, then every child is listed.
         page.locator("button[data-component-id*='runnamecellrenderer']").first.click()
         for child in children:
             page.get_by_text(child.info.run_name, exact=True).first.wait_for(timeout=30_000)
+        assert _names_fit(page, names) == {}
         page.screenshot(path=SHOTS / "runs.png")
 
+        # Chart view: each run's module breakdown image (its card expanded: MLflow 3.17 centres
+        # the thumbnail in a square as wide as the chart area, below a small card's fold).
+        page.goto(f"{runs_view}&compareRunsMode=CHART")
+        page.get_by_placeholder("Search metric charts").fill("breakdown_module_breakdown")
+        title = page.get_by_text("breakdown_module_breakdown", exact=True).first
+        title.wait_for(timeout=60_000)
+        box = title.bounding_box()
+        expand = [
+            b for b in page.locator("button").all()
+            if (bb := b.bounding_box()) and abs(bb["y"] - box["y"]) < 20 and bb["x"] > box["x"]
+        ]  # fmt: skip
+        expand[0].click()
+        modal = page.get_by_role("dialog")
+        images = modal.locator("img[src*='breakdown_module_breakdown']")
+        images.first.wait_for(timeout=60_000)
+        shown = set()
+        for i in range(images.count()):
+            image = images.nth(i)
+            image.scroll_into_view_if_needed()
+            assert image.evaluate("e => e.complete && e.naturalWidth > 100"), i
+            shown.add(image.evaluate("e => new URL(e.src).searchParams.get('run_uuid')"))
+
+        child_ids = {c.info.run_id for c in children}
+        assert child_ids <= shown
+        images.first.scroll_into_view_if_needed()
+        images.first.click()  # the thumbnail opens the full-size plot
+        full = page.locator(".rc-image-preview img").first
+        full.wait_for(timeout=30_000)
+        assert full.evaluate("e => e.complete && e.naturalWidth > 1000")
+        page.screenshot(path=SHOTS / "chart_view.png")
+
+        # Artifact compare: the module tables (log_table) of one model's two capture modes.
+        compare_module_tables(
+            page, runs_view, parent.info.run_name, "tiny_qwen3", ["qwen3·eager", "qwen3·partial"]
+        )
+        page.set_viewport_size({"width": 2200, "height": 1000})  # both runs' columns in the picture
+        page.wait_for_timeout(1500)
+        page.screenshot(path=SHOTS / "table_compare.png")
+        page.set_viewport_size({"width": 1600, "height": 1000})
+
+        # The compare page: metrics side by side, params a person compares (no hf_config dump).
         ids = json.dumps([c.info.run_id for c in children])
         page.goto(f"{ui_server}/#/compare-runs?runs={ids}&experiments={json.dumps([experiment])}")
         page.get_by_text("latency/decode_ms").first.wait_for(timeout=60_000)
         for child in children:
             assert page.get_by_text(child.info.run_name).count() > 0
+        assert page.get_by_text("hf_config").count() == 0
         page.screenshot(path=SHOTS / "compare.png", full_page=True)
 
-        run_id = next(c.info.run_id for c in children if c.data.tags["capture"] == "partial")
+        run_id = next(c.info.run_id for c in children if c.info.run_name == "llava·partial")
         page.goto(
             f"{ui_server}/#/experiments/{experiment}/runs/{run_id}/artifacts/plots/module_breakdown.png"
         )
@@ -81,3 +147,46 @@ def test_sweep_parent_children_compare_and_plot_in_the_ui(tmp_path, tracking_uri
         assert image.evaluate("img => img.naturalWidth") > 500
         page.screenshot(path=SHOTS / "artifact_plot.png")
         browser.close()
+
+
+def close_assistant(page) -> None:
+    """MLflow 3.17 opens an assistant panel beside the runs; it takes a third of the width."""
+    close = page.get_by_role("button", name="Close")
+    if close.count():
+        close.last.click()
+
+
+def _select(page, opener: str, wanted: set[str]) -> None:
+    """Open the dropdown whose button starts with `opener` and leave exactly `wanted` selected."""
+    page.get_by_text(opener).first.click()
+    options = page.get_by_role("option")
+    options.first.wait_for(timeout=30_000)
+    labels = [o.inner_text().strip() for o in options.all()]
+    assert wanted <= set(labels), (opener, labels)
+    # wanted ones first: the last selected entry cannot be unselected
+    for label in sorted(labels, key=lambda x: x not in wanted):
+        option = page.get_by_role("option", name=label, exact=True).first
+        if (label in wanted) != (option.get_attribute("aria-selected") == "true"):
+            option.click()
+    page.keyboard.press("Escape")
+
+
+def compare_module_tables(page, runs_view: str, parent_name: str, model: str, children: list[str]) -> None:
+    """The artifact compare view on one model's runs: its module table, rows phase x module,
+    device ms per run side by side."""
+    page.goto(f"{runs_view}&compareRunsMode=ARTIFACT")
+    page.get_by_text(parent_name).first.wait_for(timeout=60_000)
+    close_assistant(page)
+    search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
+    search.fill(f"params.model = '{model}'")
+    search.press("Enter")
+    page.get_by_text(f"{len(children) + 1} matching runs").wait_for(timeout=30_000)  # and the parent
+    if page.get_by_role("link", name=children[0], exact=True).count() == 0:  # folded under the parent
+        page.locator("button[data-component-id*='runnamecellrenderer']").first.click()
+    page.get_by_role("link", name=children[-1], exact=True).first.wait_for(timeout=30_000)
+    _select(page, "Table:", {"tables/module_breakdown.json"})
+    _select(page, "Group by:", {"phase", "module"})
+    _select(page, "Compare:", {"device_ms"})
+    page.get_by_text("lm_head", exact=True).first.wait_for(timeout=30_000)
+    for child in children:  # in the runs list and as a column of the table
+        assert page.get_by_role("link", name=child, exact=True).count() >= 2

@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from conftest import generated_tokens, mlflow_runs, run_pipeline
 
+from pipeline import REPO_ROOT
+
 pytestmark = pytest.mark.slow
+
+
+def documented_metrics() -> dict[str, str]:
+    """README "Metrics": {name pattern as a regex: when}."""
+    text = (REPO_ROOT / "README.md").read_text()
+    table = text.split("## Metrics", 1)[1].split("\n### ", 1)[0]
+    documented = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            pattern = re.escape(name).replace(r"\*", ".+")
+            documented[re.sub(r"<[^>]+>", ".+", pattern)] = cells[1]
+    return documented
+
+
+def check_documented(logged: set[str]) -> None:
+    """Every metric logged is in the README; every one the README says is always logged, is."""
+    documented = documented_metrics()
+    undocumented = [m for m in logged if not any(re.fullmatch(p, m) for p in documented)]
+    assert not undocumented, f"metrics missing from README 'Metrics': {sorted(undocumented)}"
+    always = [p for p, when in documented.items() if when == "always"]
+    missing = [p for p in always if not any(re.fullmatch(p, m) for m in logged)]
+    assert not missing, f"README says always logged, not logged: {missing}"
 
 
 def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
@@ -20,13 +49,45 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["model.name"] == "tiny_mistral3"
-    assert run.data.params["model.hf_config.text_config.hidden_size"] == "64"
-    assert run.data.tags["capture"] == "partial" and run.data.tags["backend_resolved"] == "torch-simple"
+    assert run.info.run_name == "tiny_mistral3·part·fx"  # "partial", then "simple" do not fit 122 px
+    params = run.data.params
+    assert params["model"] == "tiny_mistral3" and params["text_layers"] == "2" and len(params) <= 20
+    assert params["overrides"].startswith("model=tiny_mistral3 capture=partial backend=torch-simple")
+    tags = run.data.tags
+    assert tags["capture"] == "partial" and tags["backend_resolved"] == "torch-simple"
+    assert len(tags["mlflow.source.git.commit"]) == 40 and tags["mlflow.user"]
+    assert tags["mlflow.note.content"].startswith(
+        "tiny_mistral3 (2 text layers, float32, cpu), capture=partial"
+    )
+    assert tags["noisy"] in ("true", "false")
+    config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+    assert "hidden_size: 64" in Path(config).read_text()
+    tables = {a.path for a in client.list_artifacts(run.info.run_id, "tables")}
+    assert tables == {"tables/module_breakdown.json", "tables/kernel_categories.json"}
+    assert "tables/module_breakdown.json" in tags["mlflow.loggedArtifacts"]  # what the UI lists
+    module_table = json.loads(
+        Path(
+            client.download_artifacts(run.info.run_id, "tables/module_breakdown.json", str(tmp_path))
+        ).read_text()
+    )
+    assert module_table["columns"] == ["phase", "module", "device_ms", "pct"]
+    assert run.inputs.dataset_inputs[0].dataset.name == "workload-tiny_mistral3"
+    steps = client.get_metric_history(run.info.run_id, "latency/decode_step_ms")
+    assert [m.step for m in steps] == list(range(1, 32))  # 32 tokens: prefill's and 31 decode steps
+    traces = client.search_traces(experiment_ids=[run.info.experiment_id])
+    spans = [s.name for s in traces[0].data.spans]
+    assert traces[0].info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
+    assert spans[1:] == ["load", "export", "transforms", "capture", "generate", "profile", "report"]
     metrics = run.data.metrics
+    check_documented(set(metrics))
+    assert any(k.startswith("system/cpu") for k in metrics)
+    assert (
+        metrics["latency/decode_p10_ms"] <= metrics["latency/decode_ms"] <= metrics["latency/decode_p90_ms"]
+    )
     for key in (
-        "time/load_s",
-        "time/export_s",
+        "stage/load_s",
+        "stage/export_s",
+        "export/torch_export_s",
         "model/params",
         "correctness/max_abs_err",
         "graph/model.language_model/nodes",
@@ -35,7 +96,8 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     assert metrics["correctness/max_abs_err"] <= 1e-4
     assert metrics["correctness/transforms/image_max_abs_err"] <= 1e-4
     assert metrics["transform/match_attention/matches"] == 2 and metrics["transform/fuse_gemms/matches"] == 4
-    assert "time/transform_s" in metrics
+    assert metrics["transform/apply_s"] < metrics["stage/transforms_s"]
+    assert metrics["export/torch_export_s"] < metrics["stage/export_s"]
     for key in ("latency/prefill_ms", "latency/decode_ms", "throughput/decode_tok_s", "memory/kv_cache_mb"):
         assert metrics[key] > 0, key
     assert metrics["generation/tokens"] == 32  # prompt.batch_size 1 x prompt.output_len 32 (EOS aside)
@@ -73,7 +135,9 @@ def test_full_capture_of_mistral3_fails_at_export_with_its_cause(tmp_path, track
     assert run.data.tags["failed_stage"] == "export"
     assert "GuardOnDataDependentSymNode" in run.data.tags["error"]
     assert "model.vision_tower" in run.data.tags["error"]
-    assert "time/load_s" in run.data.metrics  # what ran before the failure is kept
+    assert "stage/load_s" in run.data.metrics  # what ran before the failure is kept
+    spans = client.search_traces(experiment_ids=[run.info.experiment_id])[0].data.spans
+    assert [(s.name, s.status.status_code.value) for s in spans[1:]] == [("load", "OK"), ("export", "ERROR")]
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
     assert "logs/export_traceback.txt" in logs
     assert (tmp_path / "run" / "logs" / "export_traceback.txt").exists()
@@ -118,7 +182,13 @@ def test_benchmark_mode_and_capture_none_agree(tmp_path, tracking_uri):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, runs = mlflow_runs(tracking_uri)
     bench = next(r for r in runs if r.data.tags["capture"] == "partial")
-    assert bench.data.metrics["latency/decode_ms_min"] <= bench.data.metrics["latency/decode_ms_max"]
+    metrics = bench.data.metrics
+    assert (
+        metrics["latency/prefill_p10_ms"]
+        <= metrics["latency/prefill_ms"]
+        <= metrics["latency/prefill_p90_ms"]
+    )
+    check_documented(set(metrics))
     tokens = [generated_tokens(tmp_path / d / "run") for d in ("a", "b")]
     assert tokens[0] == tokens[1]
 
@@ -142,7 +212,8 @@ def test_torch_compile_run_and_capture_fallback(tmp_path, tracking_uri):
     _, runs = mlflow_runs(tracking_uri)
     by_dir = {r.data.tags["run_dir"].split("/")[-2]: r for r in runs}
     assert by_dir["compiled"].data.tags["backend_resolved"] == "torch-compile"
-    assert by_dir["compiled"].data.metrics["time/compile_s"] > 0
+    assert by_dir["compiled"].data.metrics["capture/compile_s"] > 0
+    check_documented(set(by_dir["compiled"].data.metrics))
     assert "capture/recompiles" in by_dir["compiled"].data.metrics
     assert (
         by_dir["failed"].info.status == "FAILED" and by_dir["failed"].data.tags["failed_stage"] == "capture"

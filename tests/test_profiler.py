@@ -315,11 +315,33 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     assert all(
         int(by_id[r["parent_id"]]["depth"]) == int(r["depth"]) - 1 for r in by_id.values() if r["parent_id"]
     )
-    trace = json.loads((graph_run / "traces" / "decode_1.json").read_text())
+    trace = json.loads((graph_run / "traces" / "decode_1" / "rank0.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any(n.startswith("ProfilerStep#") for n in names)
     assert "module::model.layers.0.self_attn|LlamaAttention" in names
+    assert trace["distributedInfo"]["rank"] == 0
+    # Eager modules are named too (hooks), in the eager run and around the graph
+    eager_trace = json.loads((eager_run / "traces" / "decode_1" / "rank0.json").read_text())
+    eager_names = {e.get("name", "") for e in eager_trace["traceEvents"]}
+    assert {"module::lm_head|Linear", "module::model.embed_tokens|Embedding"} <= eager_names
+    assert "module::model.layers.1.mlp|LlamaMLP" in eager_names
+    assert {p.name for p in (graph_run / "traces").iterdir()} == {"prefill", "decode_1", "decode_2", "eager"}
     assert print_table(["--json-trace", str(graph_run / "profile" / "profile.json"), "--phase", "nope"]) == 2
+
+
+@pytest.mark.slow
+def test_holistic_trace_analysis_reads_a_runs_traces(tmp_path, tracking_uri):
+    """HTA (the dev extra) loads each phase folder as one rank and finds the modules by name,
+    eager ones included."""
+    hta = pytest.importorskip("hta.trace_analysis")
+    run, _, _ = _profile(tmp_path, "hta", ["capture=partial", "backend=torch-simple"], tracking_uri)
+    for phase in ("prefill", "decode_1", "decode_2"):
+        analysis = hta.TraceAnalysis(trace_dir=str(run / "traces" / phase))
+        assert analysis.t.get_ranks() == [0]
+        names = set(analysis.t.symbol_table.get_sym_table())
+        assert len(analysis.t.get_trace(0)) > 100
+        assert "module::lm_head|Linear" in names or "module::lm_head|OneDNNLinear" in names
+        assert "module::model.layers.0.self_attn|LlamaAttention" in names
 
 
 @pytest.mark.cuda

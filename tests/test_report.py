@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import mlflow_runs, run_pipeline
+from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
 from pipeline.report.breakdown import breakdown, kernel_times, module_buckets, top_k
 from pipeline.report.document import Image, Pre, Section, Table, to_html, to_markdown
@@ -138,10 +138,15 @@ def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
     for heading in ("Configuration", "Stages", "Export", "Transforms", "Capture", "Correctness", "Profile"):
         assert f"## {heading}" in md
     assert "model.multi_modal_projector" in md  # what stayed eager
+    # shared as it is: no path of this machine, every stage's line with its unit
+    assert str(tmp_path) not in md and str(REPO_ROOT) not in md
+    assert "| transforms | done |" in md and " s (table below" in md
+    assert "| latency/decode_p90_ms |" in md and "| ms |" in md
     html = (run / "report" / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 3
     console = proc.stdout + proc.stderr
-    assert "summary: report:" in console and "decode" in console.split("summary:")[-2]
+    summary = [line.split("summary: ", 1)[1] for line in console.splitlines() if "summary: " in line]
+    assert summary[-1].startswith("report:") and any(line.startswith("prefill") for line in summary)
 
     client, runs = mlflow_runs(tracking_uri)
     artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
@@ -197,3 +202,12 @@ def test_a_failed_run_gets_a_report_of_what_it_reached(tmp_path, tracking_uri):
     assert runs[0].info.status == "FAILED" and runs[0].data.tags["failed_stage"] == "profile"
     assert "report" in {a.path for a in client.list_artifacts(runs[0].info.run_id)}
     assert json.loads((run / "generation" / "tokens.json").read_text())
+
+
+def test_legend_labels_drop_the_wrappers_every_module_repeats():
+    from pipeline.report.plots import legend_labels
+
+    parts = ["model.language_model.layers.*.mlp", "lm_head", "model.vision_tower", "demollm.sample"]
+    assert legend_labels(parts) == ["layers.*.mlp", "lm_head", "vision_tower", "demollm.sample"]
+    clash = ["model.norm", "model.language_model.norm"]  # both would read `norm`: kept whole
+    assert legend_labels(clash) == clash

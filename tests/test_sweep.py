@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import mlflow_runs, run_pipeline
 
-from pipeline.sweep import swept_keys
+from pipeline.sweep import decode_figure, job_rows, summary_metrics, swept_keys
 
 pytestmark = pytest.mark.slow
 
@@ -14,6 +14,48 @@ pytestmark = pytest.mark.slow
 def test_swept_keys_are_the_ones_with_choices():
     overrides = ["model=tiny_mistral3", "capture=none,full", "seed=range(3)", "+profile.x=1", "backend=a,b"]
     assert swept_keys(overrides) == ["capture", "seed", "backend"]
+
+
+def _job(name, model, capture, status="FINISHED", decode=None, noisy="false"):
+    metrics = {} if decode is None else {
+        "latency/decode_ms": decode, "latency/decode_p10_ms": 0.9 * decode, "latency/decode_p90_ms": 1.2 * decode
+    }  # fmt: skip
+    return {
+        "name": name, "status": status, "failed_stage": "" if status == "FINISHED" else "export",
+        "error": "", "tags": {"noisy": noisy}, "metrics": metrics,
+        "overrides": [f"model={model}", f"capture={capture}", "prompt.output_len=4"],
+    }  # fmt: skip
+
+
+def test_decode_plot_has_a_panel_per_model_and_draws_failed_jobs_as_failed():
+    """The issue's case: a 23.5 ms model and a 1.18 ms one are never averaged, and a failed job
+    is a hatched bar marked FAILED, not a 0 ms bar."""
+    jobs = [
+        _job("mistral3·none", "mistral3", "none", decode=30.0),
+        _job("mistral3·part", "mistral3", "partial", decode=23.5, noisy="true"),
+        _job("qwen3·none", "tiny_qwen3", "none", decode=2.0),
+        _job("qwen3·part", "tiny_qwen3", "partial", status="FAILED"),
+    ]
+    keys = ["model", "capture"]
+    rows = job_rows(jobs, keys)
+    fig = decode_figure(rows, keys)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == [
+        "model=mistral3: 2 of 2 finished",
+        "model=tiny_qwen3: 1 of 2 finished",
+    ]
+    assert "4 jobs (1 failed, drawn hatched)" in fig._suptitle.get_text()
+    heights = [sorted(round(p.get_height(), 3) for p in ax.patches if p.get_fill()) for ax in axes]
+    assert heights == [[23.5, 30.0], [2.0]]  # nothing averaged across models, no 0 bar
+    hatched = [p for p in axes[1].patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_height() > 2.0  # across the panel, not at 0
+    texts = [t.get_text() for t in axes[1].texts]
+    assert "FAILED\nexport" in texts
+    assert any("noisy" in t.get_text() for t in axes[0].texts)
+    metrics, tags = summary_metrics(rows)
+    assert metrics == {"sweep/jobs": 4, "sweep/failed": 1, "sweep/noisy": 1, "sweep/best_decode_ms": 2.0,
+                       "sweep/worst_decode_ms": 30.0}  # fmt: skip
+    assert tags == {"best_job": "qwen3·none", "worst_job": "mistral3·none"}
 
 
 def _children(runs, parent):
@@ -34,14 +76,25 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
         tmp_path,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]  # one job failed; the others and the comparison ran
-    assert "sweep: 1 job(s) failed: capture=full: export:" in proc.stderr
+    assert "sweep: 1 job(s) failed: full: export:" in proc.stderr
     client, runs = mlflow_runs(tracking_uri)
     parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "1"
-    assert "capture=none,full,partial" in parent.data.params["sweep.overrides"]
+    assert parent.info.run_name == "sweep·capture"
+    assert parent.data.params == {
+        "sweep.capture": "none,full,partial",
+        "fixed.model": "tiny_mistral3",
+        "fixed.backend": "torch-simple",
+        "fixed.prompt.output_len": "4",
+        "fixed.profile.decode_steps": "2",
+        "fixed.tracking.uri": tracking_uri,
+    }
+    assert parent.data.metrics["sweep/jobs"] == 3 and parent.data.metrics["sweep/failed"] == 1
+    assert parent.data.metrics["sweep/best_decode_ms"] <= parent.data.metrics["sweep/worst_decode_ms"]
+    assert parent.data.tags["best_job"] in ("eager", "partial")
     children = _children(runs, parent)
     status = {r.info.run_name: r.info.status for r in children}
-    assert status == {"capture=none": "FINISHED", "capture=full": "FAILED", "capture=partial": "FINISHED"}
+    assert status == {"eager": "FINISHED", "full": "FAILED", "partial": "FINISHED"}
     failed = next(r for r in children if r.info.status == "FAILED")
     assert failed.data.tags["failed_stage"] == "export"
 

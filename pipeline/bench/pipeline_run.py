@@ -12,8 +12,9 @@ from pathlib import Path
 
 from pipeline import REPO_ROOT
 
-STAGE_TIMES = ("time/load_s", "time/export_s", "time/transforms_s", "time/capture_s", "time/generate_s",
-               "time/profile_s", "time/report_s")  # fmt: skip
+STAGE_TIMES = tuple(
+    f"stage/{name}_s" for name in ("load", "export", "transforms", "capture", "generate", "profile", "report")
+)
 MAKE_RUN_TARGET_S = 120.0
 
 
@@ -49,7 +50,7 @@ def bench_pipeline_run(overrides: list[str]) -> dict:
         "wall_s": wall,
         "status": summary["status"],
         "stages": {k: metrics[k] for k in STAGE_TIMES if k in metrics},
-        "compile_s": metrics.get("time/compile_s"),
+        "compile_s": metrics.get("capture/compile_s"),
         "profile": {k: metrics[k] for k in metrics if k.startswith("profile/")},
         "decode_ms": metrics.get("latency/decode_ms"),
     }
@@ -60,7 +61,7 @@ def markdown(result: dict) -> list[str]:
     if "error" in result:
         return [title, "", f"Failed after {result['wall_s']:.0f} s: {result['error']}"]
     stages = ", ".join(
-        f"{k.removeprefix('time/').removesuffix('_s')} {v:.1f} s" for k, v in result["stages"].items()
+        f"{k.removeprefix('stage/').removesuffix('_s')} {v:.1f} s" for k, v in result["stages"].items()
     )
     profile = result["profile"]
     return [

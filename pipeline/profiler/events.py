@@ -6,8 +6,10 @@ This is the only module that touches the profiler's private event tree
 - Module spans come from two sources: `nn.Module: <Class>_<n>` python events (eager modules,
   recorded with `with_stack=True`; `self_ptr` is the module's id, joined with `named_modules()`
   for its qualified name), and `module::<fqn>|<Class>` ranges that ranges.py puts into exported
-  graphs. Ranges start inside a python frame, so the tree does not nest ops under them: attribution
-  is by time containment on the profiled thread, not by tree parents.
+  graphs and around eager modules. Ranges start inside a python frame, so the tree does not nest ops
+  under them: attribution is by time containment on the profiled thread, not by tree parents. An
+  eager module has both (its call event, and inside it the range its hooks put in for outside
+  readers): the range is dropped, one span per module call.
 - Ops are TorchOp events (ATen and torch.library ops); self time excludes child ops.
 - Device events (CUDA kernels, copies) are kineto events on the GPU. Each is tied to the CPU event
   that launched it by correlation id (a CUDA-graph replay's kernels all share the id of its
@@ -151,9 +153,13 @@ def read_window(prof, module_names: dict[int, str]) -> Window:
     claimed: set[tuple[int, str]] = set()
     launches: dict[int, tuple[int, OpEvent | None, str]] = {}  # correlation id -> (CPU time, op, call)
 
-    def walk(event, op: OpEvent | None, anchor_ns: int) -> None:
+    def walk(event, op: OpEvent | None, anchor_ns: int, called: str | None = None) -> None:
         if span := _module_span(event, module_names):
-            window.modules.append(span)
+            if event.tag == _EventType.PyCall:
+                called = span.fqn
+                window.modules.append(span)
+            elif span.fqn != called:  # not the range an eager module's hooks put inside its call
+                window.modules.append(span)
         if _is_op(event):
             new = OpEvent(event.name, event.start_time_ns, event.end_time_ns, _shapes(event), parent=op)
             if op is not None:
@@ -176,7 +182,7 @@ def read_window(prof, module_names: dict[int, str]) -> Window:
         if event.tag == _EventType.Kineto:
             launches.setdefault(event.correlation_id, (anchor_ns, op, event.name))
         for child in event.children:
-            walk(child, op, anchor_ns)
+            walk(child, op, anchor_ns, called)
 
     for root in thread_roots:
         walk(root, None, root.start_time_ns)

@@ -101,3 +101,20 @@ def write_comparison(path: Path, comparison: dict[str, list[dict[str, Any]]]) ->
         writer.writeheader()
         for phase, rows in comparison.items():
             writer.writerows({"phase": phase, **row} for row in rows)
+
+
+def write_trace(prof, folder: Path) -> Path:
+    """The window's Chrome trace as `<folder>/rank<r>.json` with `distributedInfo` (rank, world
+    size): the layout Holistic Trace Analysis reads, a folder of one file per rank (a file without
+    a rank counts as rank 0, so a folder of phases would collide there)."""
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{rank}.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    trace.setdefault("distributedInfo", {"backend": "none", "rank": rank, "world_size": world_size})
+    path.write_text(json.dumps(trace))
+    return path

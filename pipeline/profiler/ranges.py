@@ -8,6 +8,10 @@ share a stack, named `module::<fqn>|<Class>`, and takes them out afterwards: tim
 for them. Nodes without a stack (inserted by a transform and given none) and getitem nodes (no op
 runs; a fused GEMM's parts keep their projection's stack) stay in the ranges open around them.
 
+The eager modules around the graphs (embeddings, vision tower, lm_head) get the same ranges from a
+forward pre/post hook pair (`eager_module_ranges`), so Perfetto and HTA name them by path, not as
+`nn.Module: Linear_3`; the reader keeps one span per module (events.py).
+
 Only the graph's own forward is rewritten: a compiled forward (torch-compile) or a CUDA graph
 replay (torch-cudagraph, torch-opt) keeps running the code it was built from, so under those
 backends a graph shows as one module, as the seed's profiler shows a CUDAGraphRunner.
@@ -96,3 +100,45 @@ def module_ranges(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for (_, gm), nodes in zip(graphs, added, strict=True):
             remove(gm, nodes)
+
+
+def _eager_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module below the root that runs as itself: not one inside a captured graph (a
+    GraphModule's submodules run inside its code, where the graph's own ranges name them). The
+    root has no path to name it by; its call event names its class."""
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        if isinstance(module, fx.GraphModule):
+            inside.append(f"{name}." if name else "")
+        if name:
+            yield name, module
+
+
+@contextmanager
+def eager_module_ranges(model: nn.Module) -> Iterator[int]:
+    """A `module::<fqn>|<Class>` range around each eager module's forward for the duration (hooks
+    removed after); yields how many modules got one."""
+    handles = []
+
+    def hooks(fqn: str, module: nn.Module):
+        name, open_ = range_name(fqn, type(module).__name__), []
+
+        def enter(_module, _args):
+            open_.append(ENTER(name, None))
+
+        def leave(_module, _args, _output):
+            if open_:
+                EXIT(open_.pop())
+
+        return enter, leave
+
+    for fqn, module in _eager_modules(model):
+        enter, leave = hooks(fqn, module)
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield len(handles) // 2
+    finally:
+        for handle in handles:
+            handle.remove()

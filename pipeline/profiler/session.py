@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from pipeline.profiler import events, output, tables, tree
+from pipeline.profiler import events, output, ranges, tables, tree
 from pipeline.profiler.attribution import Instrumentation, instrumented
 from pipeline.profiler.categories import Categorizer
 from pipeline.runtime.engine import Generation
@@ -52,7 +52,7 @@ class WindowCollector:
         self.counts[kind] += 1
         n = self.counts[kind]
         phase = "prefill" if kind == "prefill" and n == 1 else f"{kind}_{n}"
-        prof.export_chrome_trace(str(self.trace_dir / f"{phase}.json"))
+        output.write_trace(prof, self.trace_dir / phase)
         self.windows.append((phase, events.read_window(prof, self.module_names)))
 
 
@@ -82,13 +82,16 @@ def profile_steps(
         warnings.filterwarnings("ignore", message=".*warmup.*")
         warnings.filterwarnings("ignore", message=".*clears events.*")
         collector.module_names = {id(m): name for name, m in model.named_modules()}
-        with profile(
-            activities=activities,
-            record_shapes=True,
-            with_stack=True,
-            schedule=schedule(wait=0, warmup=0, active=1),
-            on_trace_ready=collector,
-        ) as prof:
+        with (
+            ranges.eager_module_ranges(model),
+            profile(
+                activities=activities,
+                record_shapes=True,
+                with_stack=True,
+                schedule=schedule(wait=0, warmup=0, active=1),
+                on_trace_ready=collector,
+            ) as prof,
+        ):
 
             def close_window(kind: str) -> None:
                 collector.pending = kind

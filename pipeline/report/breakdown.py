@@ -123,6 +123,21 @@ def breakdown(
     return align({phase: parts_of(profile, phase, level, depth) for phase in phases_of(profile, phases)}, top)
 
 
+def long_table(profile: dict[str, Any], level: str, phases=("prefill", "decode")) -> dict[str, list]:
+    """Columns phase, part, device_ms, pct (of the phase's step): every part of a level, for an
+    MLflow table the UI compares across runs."""
+    columns: dict[str, list] = {"phase": [], level: [], "device_ms": [], "pct": []}
+    for phase in phases_of(profile, phases):
+        parts = parts_of(profile, phase, level)
+        total = sum(parts.values()) or 1.0
+        for name, us in sorted(parts.items(), key=lambda kv: -kv[1]):
+            columns["phase"].append(phase)
+            columns[level].append(name)
+            columns["device_ms"].append(round(us / 1000, 4))
+            columns["pct"].append(round(100 * us / total, 2))
+    return columns
+
+
 def comparison(
     captured: dict[str, Any], eager: dict[str, Any], phases=("prefill", "decode")
 ) -> dict[str, list]:

@@ -105,8 +105,36 @@ def to_html(title: str, sections: list[Section]) -> str:
     return "\n".join(parts)
 
 
-def write(folder: Path, name: str, title: str, sections: list[Section]) -> tuple[Path, Path]:
-    """folder/name.md and folder/name.html."""
+def without_local_paths(sections: list[Section], root: Path) -> list[Section]:
+    """The sections with this machine's paths written relative: the run folder as `.`, the
+    repository as `<repo>`, the home folder as `~` (a report is shared; its paths are not)."""
+    from pipeline import REPO_ROOT
+
+    replacements = [(str(root.resolve()), "."), (str(REPO_ROOT), "<repo>"), (str(Path.home()), "~")]
+
+    def clean(value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        for local, shown in replacements:
+            value = value.replace(local, shown)
+        return value
+
+    def block(b: Block) -> Block:
+        if isinstance(b, Table):
+            return Table([clean(h) for h in b.headers], [[clean(v) for v in row] for row in b.rows])
+        if isinstance(b, Pre):
+            return Pre(clean(b.text))
+        return clean(b) if isinstance(b, str) else b
+
+    return [Section(s.title, [block(b) for b in s.blocks]) for s in sections]
+
+
+def write(
+    folder: Path, name: str, title: str, sections: list[Section], root: Path | None = None
+) -> tuple[Path, Path]:
+    """folder/name.md and folder/name.html; with `root`, local paths made relative to it."""
+    if root is not None:
+        sections = without_local_paths(sections, root)
     folder.mkdir(parents=True, exist_ok=True)
     md, page = folder / f"{name}.md", folder / f"{name}.html"
     md.write_text(to_markdown(title, sections, folder))

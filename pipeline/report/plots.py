@@ -3,6 +3,7 @@ absolute device time per step and percent of the step, one stacked bar per phase
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,16 @@ LEVELS = {
 }
 
 
-def _label(part: str, width: int = 48) -> str:
-    """Long module paths and kernel names cut from the left, where they repeat."""
-    return part if len(part) <= width else "..." + part[-(width - 3) :]
+MODEL_PREFIX = re.compile(r"^.*model\.")  # model.language_model.layers.*.mlp -> layers.*.mlp
+
+
+def legend_labels(parts: list[str], width: int = 48) -> list[str]:
+    """Module paths without the wrappers every one repeats (`model.`, `model.language_model.`), when
+    they stay apart that way; then anything still long cut from the left."""
+    short = [MODEL_PREFIX.sub("", p) or p for p in parts]
+    if len(set(short)) < len(set(parts)):
+        short = parts
+    return [p if len(p) <= width else "..." + p[-(width - 3) :] for p in short]
 
 
 def breakdown_figure(data: dict[str, dict[str, float]], title: str):
@@ -40,7 +48,7 @@ def breakdown_figure(data: dict[str, dict[str, float]], title: str):
     axes[1].set_xlim(0, 100)
     axes[0].invert_yaxis()
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, [_label(x) for x in labels], loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles, legend_labels(labels), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06 + 0.025 * ((len(labels) + 2) // 3), 1, 1))
     return fig

@@ -41,6 +41,13 @@ def _failure(state: RunState) -> str | None:
     return f"FAILED at stage '{failed.name}' ({failed.status}): {failed.cause}"
 
 
+def _spread(metrics: dict[str, float], key: str) -> str:
+    """` (p10 x, p90 y)` of a latency whose spread was measured."""
+    base = key.removesuffix("_ms")
+    low, high = metrics.get(f"{base}_p10_ms"), metrics.get(f"{base}_p90_ms")
+    return f" (p10 {low:.4g}, p90 {high:.4g})" if low is not None and high is not None else ""
+
+
 def headline(state: RunState, report: Path | None = None) -> list[str]:
     """The few numbers a console summary ends with."""
     metrics = metrics_of(state)
@@ -50,12 +57,15 @@ def headline(state: RunState, report: Path | None = None) -> list[str]:
         f"attention={state.attention} {str(state.dtype).removeprefix('torch.')} on {state.device}"
     ]
     numbers = [
-        f"{label} {metrics[key]:.4g}{(' ' + unit) if unit else ''}"
+        f"{label} {metrics[key]:.4g}{(' ' + unit) if unit else ''}" + _spread(metrics, key)
         for key, label, unit in HEADLINE
         if key in metrics
     ]
     if numbers:
         lines.append(", ".join(numbers))
+    noisy = next((r.tags["noisy_reason"] for r in state.stages if "noisy_reason" in r.tags), None)
+    if noisy:
+        lines.append(f"WARNING noisy measurement: {noisy}")
     if failure := _failure(state):
         lines.append(failure)
     if report is not None:
@@ -88,8 +98,10 @@ def _first_line(notes: list[str]) -> str:
 
 
 def _stages_table(state: RunState) -> Table:
+    """Each stage's wall time (metric stage/<name>_s), which includes its own parts (the export
+    stage's torch.export time is export/torch_export_s, the rest is its checks)."""
     rows = [[r.name, r.status, f"{r.seconds:.2f}", r.cause or _first_line(r.notes)] for r in state.stages]
-    return Table(["stage", "status", "seconds", "what happened"], rows)
+    return Table(["stage", "status", "wall s (stage/<name>_s)", "what happened"], rows)
 
 
 def _export_section(state: RunState) -> Section:
@@ -99,7 +111,7 @@ def _export_section(state: RunState) -> Section:
     else:
         section.blocks.append(
             Table(
-                ["graph", "nodes", "inputs", "constants", "export s"],
+                ["graph", "nodes", "inputs", "constants", "torch.export s (export/<graph>/torch_export_s)"],
                 [
                     [
                         g.name,
@@ -149,7 +161,7 @@ def _capture_section(state: RunState, metrics: dict[str, float]) -> Section:
     if record is None:
         section.blocks.append("Not reached.")
         return section
-    keys = [k for k in sorted(metrics) if k.startswith("capture/") or k == "time/compile_s"]
+    keys = [k for k in sorted(metrics) if k.startswith("capture/")]
     section.blocks += record.notes
     if record.tags.get("capture_fallback") == "true":
         section.blocks.append(
@@ -184,11 +196,24 @@ def _correctness_section(state: RunState) -> Section:
     return section
 
 
+UNITS = (("_tok_s", "tok/s"), ("_requests_s", "requests/s"), ("_gbs", "GB/s"), ("_ms", "ms"),
+         ("_s", "s"), ("_mb", "MiB"), ("_pct", "%"), ("_cores", "cores"))  # fmt: skip
+
+
+def unit_of(metric: str) -> str:
+    """The unit a metric's name ends in (README "Metrics")."""
+    return next((unit for suffix, unit in UNITS if metric.endswith(suffix)), "")
+
+
 def _performance_section(metrics: dict[str, float]) -> Section:
-    keys = [k for k in sorted(metrics) if k.split("/")[0] in ("latency", "throughput", "memory", "time")]
-    section = Section("Latency, throughput, memory, time")
+    keys = [
+        k for k in sorted(metrics) if k.split("/")[0] in ("latency", "throughput", "memory", "stage", "noise")
+    ]
+    section = Section("Latency, throughput, memory, noise, stage times")
     section.blocks.append(
-        Table(["metric", "value"], [[k, metrics[k]] for k in keys]) if keys else "Not reached."
+        Table(["metric", "value", "unit"], [[k, metrics[k], unit_of(k)] for k in keys])
+        if keys
+        else "Not reached."
     )
     return section
 
@@ -245,4 +270,4 @@ def sections(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> 
 def write_report(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> tuple[Path, Path]:
     """report/report.md and the self-contained report/report.html."""
     title = f"Run report: {state.cfg.model.name}, capture={state.cfg.capture.mode}, backend={state.backend}"
-    return write(state.run_dir / "report", "report", title, sections(state, plots, plot_notes))
+    return write(state.run_dir / "report", "report", title, sections(state, plots, plot_notes), state.run_dir)

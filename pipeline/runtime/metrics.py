@@ -11,22 +11,26 @@ from torch import nn
 
 from pipeline.backends.cudagraph import CUDAGraphRunner
 from pipeline.runtime.engine import DemoLLM, Generation
+from pipeline.runtime.machine_load import quantile
 from pipeline.runtime.requests import Request
 from pipeline.runtime.runners import PagedRunner
 
 
-def generation_metrics(runs: list[Generation], decode_bytes: int) -> dict[str, float]:
-    """Medians over the timed generations (min and max when there are several)."""
+def generation_metrics(runs: list[Generation], decode_bytes: int, lookahead: int) -> dict[str, float]:
+    """Decode: median, p10 and p90 over the timed runs' steady decode steps (decode_steps_ms);
+    prefill: the median over the timed runs (p10 and p90 when there are several)."""
     prefill = [1000 * g.prefill_s for g in runs]
-    decode = [g.decode_ms for g in runs]
+    steps = decode_steps_ms(runs, lookahead)
+    decode = statistics.median(steps) if steps else float("nan")
     last = runs[-1]
     metrics = {
         "latency/prefill_ms": statistics.median(prefill),
-        "latency/decode_ms": statistics.median(decode),
-        "latency/decode_p90_ms": statistics.median(g.decode_p90_ms for g in runs),
+        "latency/decode_ms": decode,
+        "latency/decode_p10_ms": quantile(steps, 0.1) if steps else float("nan"),
+        "latency/decode_p90_ms": quantile(steps, 0.9) if steps else float("nan"),
         "throughput/decode_tok_s": statistics.median(g.decode_tok_s for g in runs),
         # Weights read per step / step time: how close decode runs to the memory bandwidth.
-        "throughput/decode_gbs": decode_bytes / (statistics.median(decode) / 1000) / 1e9,
+        "throughput/decode_gbs": decode_bytes / (decode / 1000) / 1e9,
         "generation/requests": len(last.tokens),
         "generation/tokens": sum(len(t) for t in last.tokens.values()),
         "generation/prefill_steps": sum(s.kind == "prefill" for s in last.steps),
@@ -34,35 +38,38 @@ def generation_metrics(runs: list[Generation], decode_bytes: int) -> dict[str, f
     }
     if len(runs) > 1:
         metrics |= {
-            "latency/prefill_ms_min": min(prefill),
-            "latency/prefill_ms_max": max(prefill),
-            "latency/decode_ms_min": min(decode),
-            "latency/decode_ms_max": max(decode),
+            "latency/prefill_p10_ms": quantile(prefill, 0.1),
+            "latency/prefill_p90_ms": quantile(prefill, 0.9),
         }
     return metrics
 
 
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+def decode_steps_ms(runs: list[Generation], lookahead: int) -> list[float]:
+    """Every timed decode step but each run's last `lookahead`: those were computed while earlier
+    tokens were awaited, so their intervals are near 0 where the host computes (CPU) and would
+    pass for a fast step."""
+    steps = []
+    for g in runs:
+        times = g.decode_step_s
+        steps += [1000 * s for s in (times[:-lookahead] if lookahead and len(times) > lookahead else times)]
+    return steps
 
 
 def request_metrics(runs: list[Generation]) -> dict[str, float]:
     """What each request saw, over the requests of every timed run: time in the queue, to its first
-    token, per output token after it (median and p90), and requests finished per second."""
+    token, per output token after it (median, p10, p90), and requests finished per second."""
     timings = [t for g in runs for t in g.requests.values()]
     queue = [1000 * t.queue_s for t in timings]
     ttft = [1000 * t.ttft_s for t in timings]
     tpot = [1000 * t.tpot_s for t in timings if t.tpot_s is not None]
-    metrics = {
-        "latency/queue_ms": statistics.median(queue),
-        "latency/queue_p90_ms": _p90(queue),
-        "latency/ttft_ms": statistics.median(ttft),
-        "latency/ttft_p90_ms": _p90(ttft),
-        "throughput/requests_s": statistics.median(len(g.requests) / g.wall_s for g in runs),
-    }
-    if tpot:
-        metrics |= {"latency/tpot_ms": statistics.median(tpot), "latency/tpot_p90_ms": _p90(tpot)}
+    metrics = {"throughput/requests_s": statistics.median(len(g.requests) / g.wall_s for g in runs)}
+    for name, values in (("queue", queue), ("ttft", ttft), ("tpot", tpot)):
+        if values:
+            metrics |= {
+                f"latency/{name}_ms": statistics.median(values),
+                f"latency/{name}_p10_ms": quantile(values, 0.1),
+                f"latency/{name}_p90_ms": quantile(values, 0.9),
+            }
     return metrics
 
 
@@ -73,7 +80,8 @@ def generation_notes(
         f"{type(engine.runner).__name__}: {len(requests)} requests, prompts of "
         f"{sorted({len(r.prompt) for r in requests})} tokens, {metrics['generation/tokens']} tokens generated",
         f"prefill {metrics['latency/prefill_ms']:.1f} ms; decode {metrics['latency/decode_ms']:.2f} ms/step "
-        f"(p90 {metrics['latency/decode_p90_ms']:.2f}), {metrics['throughput/decode_tok_s']:.1f} tok/s, "
+        f"(p10 {metrics['latency/decode_p10_ms']:.2f}, p90 {metrics['latency/decode_p90_ms']:.2f}), "
+        f"{metrics['throughput/decode_tok_s']:.1f} tok/s, "
         f"weights read at {metrics['throughput/decode_gbs']:.1f} GB/s"
         + (f"; median of {timed_runs} timed runs" if timed_runs > 1 else "")
         + ("; after a warm-up generation" if warmed_up else ""),

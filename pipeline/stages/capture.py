@@ -61,11 +61,11 @@ def run(state: RunState) -> StageResult:
         result.metrics["capture/fallback"] = 1
         state.compiled_frames = compiled_frames()
         return result
-    result.metrics["time/compile_s"] = time.perf_counter() - start
+    result.metrics["capture/compile_s"] = time.perf_counter() - start
     result.metrics["capture/graphs"] = len(targets)
     result.metrics["capture/compiled_frames"] = compiled_frames() - frames
     state.compiled_frames = compiled_frames()
     result.notes.append(
-        f"compiled and checked {len(targets)} graph(s) in {result.metrics['time/compile_s']:.1f} s"
+        f"compiled and checked {len(targets)} graph(s) in {result.metrics['capture/compile_s']:.1f} s"
     )
     return result

@@ -63,7 +63,7 @@ def run(state: RunState) -> StageResult:
     result = StageResult(notes=notes)
     for captured in state.captured:
         result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes
-        result.metrics[f"time/export/{captured.name}_s"] = captured.export_s
+        result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
         result.artifacts += _write_graph_artifacts(state, captured)
         result.notes.append(
             f"captured '{captured.name}': {captured.num_nodes} nodes, inputs {captured.tensor_inputs}, "
@@ -71,7 +71,7 @@ def run(state: RunState) -> StageResult:
         )
         result.notes += [f"'{captured.name}': {note}" for note in captured.notes]
     state.model = model
-    result.metrics["time/export_s"] = sum(c.export_s for c in state.captured)
+    result.metrics["export/torch_export_s"] = sum(c.export_s for c in state.captured)
     if paths != [""]:
         result.notes.append(f"stays eager: {', '.join(graph_capture.eager_parts(model, paths))}")
 

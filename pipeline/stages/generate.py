@@ -8,6 +8,7 @@ from pipeline.errors import StageFailure
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime import metrics as generation
 from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
@@ -30,19 +31,39 @@ def run(state: RunState) -> StageResult:
     if warm_up:
         engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
     iterations = cfg.benchmark.iterations if cfg.benchmark.enabled else 1
-    runs = [engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)]
+    with MachineLoad() as load:
+        runs = [engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)]
     state.engine, state.generation = engine, runs[-1]
 
     tokens_file = state.run_dir / "generation" / "tokens.json"
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
     generation.write_tokens(tokens_file, requests, runs[-1])
-    metrics = generation.generation_metrics(runs, state.model_info.decode_bytes)
+    metrics = generation.generation_metrics(runs, state.model_info.decode_bytes, engine.lookahead)
     notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up)
     if state.backend in ("torch-compile", "torch-opt"):
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
     resources, resource_notes = generation.resource_metrics(state.model, engine)
-    return StageResult(metrics=metrics | resources, artifacts=[tokens_file], notes=notes + resource_notes)
+    steps = generation.decode_steps_ms(runs, engine.lookahead)
+    noisy, why = noise_verdict(load.other_cores, steps)
+    metrics["noise/other_cores"] = load.other_cores
+    if steps:
+        metrics["noise/decode_spread"] = quantile(steps, 0.9) / quantile(steps, 0.1)
+    if noisy:
+        notes.append(f"NOISY measurement: {why}; re-run on a quiet machine before comparing")
+    return StageResult(
+        metrics=metrics | resources,
+        artifacts=[tokens_file],
+        notes=notes + resource_notes,
+        tags={"noisy": str(noisy).lower(), **({"noisy_reason": why} if noisy else {})},
+        steps={"latency/decode_step_ms": [1000 * s for s in runs[-1].decode_step_s]},
+        workload={
+            "request": [r.seq_id for r in requests],
+            "prompt_tokens": [len(r.prompt) for r in requests],
+            "images": [len(r.image_spans) or (1 if r.images else 0) for r in requests],
+            "max_new_tokens": [cfg.prompt.output_len] * len(requests),
+        },
+    )
 
 
 CACHE_TRANSFORMS = ("match_attention", "insert_cached_attention")

@@ -85,7 +85,7 @@ def run(state: RunState) -> StageResult:
             "model/params": info.params,
             "model/bytes": info.bytes,
             "model/decode_bytes": info.decode_bytes,
-            "time/init_s": info.init_s,
+            "model/init_s": info.init_s,
             **metrics,
         },
         notes=[

@@ -17,7 +17,7 @@ from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs
 from pipeline.profiler import session
-from pipeline.report.breakdown import comparison, comparison_table
+from pipeline.report.breakdown import comparison, comparison_table, long_table
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
@@ -145,5 +145,12 @@ def run(state: RunState) -> StageResult:
         notes.append(
             f"against the eager model on the same workload (device time per step): {', '.join(speedups)}"
         )
-    notes.append(f"profile.json, CSV tables and tables.txt in {folder}; Chrome traces in {trace_dir}")
-    return StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes)
+    notes.append(
+        "profile/profile.json, CSV tables and tables.txt; Chrome traces in traces/<phase>/ (Perfetto, HTA)"
+    )
+    profile = {"phases": phases}
+    tables = {
+        "tables/module_breakdown.json": long_table(profile, "module"),
+        "tables/kernel_categories.json": long_table(profile, "category"),
+    }
+    return StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes, tables=tables)

@@ -28,6 +28,12 @@ def run(state: RunState) -> StageResult:
             f"{failed}; set transforms.{failed.record.transform}.skip_on_error=true to go on"
         ) from (failed.__cause__)
     _report(state, history, result)
+    applied = [r for r in history.records if r.status == "applied"]
+    result.notes.append(
+        f"{len(applied)} of {len(history.records)} transform runs applied, "
+        f"{sum(r.matches for r in applied)} matches, in {result.metrics['transform/apply_s']:.2f} s "
+        "(table below and in transforms/report.txt)"
+    )
     result.notes += history.table().splitlines()
     if not transforms:
         result.notes.append("no transforms configured (transforms=none)")
@@ -53,4 +59,4 @@ def _report(state: RunState, history: registry.TransformHistory, result: StageRe
         result.artifacts.append(path)
     for name in {r.transform for r in history.records}:
         result.metrics[f"transform/{name}/matches"] = history.matches(name)
-    result.metrics["time/transform_s"] = sum(r.seconds for r in history.records)
+    result.metrics["transform/apply_s"] = sum(r.seconds for r in history.records)

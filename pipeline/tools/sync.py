@@ -3,8 +3,8 @@ read-only or full while they ran (they say so in tracking_offline.txt).
 
 python -m pipeline.tools.sync <run folder> [--tracking-uri URI] [--experiment NAME]
 
-The run gets the folder's config as params, its summary's tags and metrics, every file of the
-folder as artifacts and its final status (FINISHED, FAILED or KILLED).
+The run gets the params, tags and metrics of the folder's summary, its config as config.yaml, every
+file of the folder as artifacts and its final status (FINISHED, FAILED or KILLED).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     tags = {k: str(v) for k, v in summary["tags"].items()} | {"synced_from": str(args.folder.resolve())}
     if summary["status"] != "FINISHED":
         tags |= {"failed_stage": summary["failed_stage"], "error": summary["error"]}
-    tracker.start(summary["name"], tags, flatten_params(cfg))
+    params = summary.get("params") or flatten_params(cfg)  # folders written before params were summarised
+    tracker.start(summary["name"], tags, params, summary.get("description", ""), system_metrics=False)
+    tracker.log_dict(OmegaConf.to_container(cfg, resolve=True), "config.yaml")
     tracker.log_metrics(summary["metrics"])
     for entry in sorted(args.folder.iterdir()):
         if entry.name != "tracking_offline.txt":

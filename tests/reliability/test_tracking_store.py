@@ -90,7 +90,7 @@ def _check_sweep(uri: str, parents: int) -> None:
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         assert len(children) == 8 and all(r.info.status == "FINISHED" for r in children)
         assert all(
-            "latency/decode_ms" in r.data.metrics and "time/total_s" in r.data.metrics for r in children
+            "latency/decode_ms" in r.data.metrics and "stage/total_s" in r.data.metrics for r in children
         )
         assert all(client.list_artifacts(r.info.run_id, "generation") for r in children)
 

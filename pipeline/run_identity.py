@@ -1,0 +1,154 @@
+"""What a run is called and what it is compared by: its MLflow name, the few params a person
+compares, and the one-line description.
+
+Names: the values that tell a run apart, joined by `·` (`mistral3·partial·compile`); a sweep's
+child by the values it sweeps only (`qwen3·none`, the models' common prefix `tiny_` left out).
+The MLflow UI's runs table gives a name 122 px (a child, indented, 98 px) of 12 px system sans
+before it cuts it: measured in Chromium at 1600 px (tests/test_browser.py checks it). A name that
+would not fit takes the short forms of capture and backend (`part`, `tc`: README "MLflow UI").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.devices import dtype_name
+
+SEPARATOR = "·"
+TOP_LEVEL_PX = 122  # the run-name cell's text width, top-level run
+NESTED_PX = 98  # a child under its expanded parent
+
+# Glyph advance widths in px of the UI's 12 px font, as Chromium measures them here (canvas
+# measureText); other characters count as the widest.
+_GLYPH_PX = {
+    **dict.fromkeys("ijl", 2.666),
+    **dict.fromkeys("ft.:,·", 3.334),
+    "|": 3.117,
+    **dict.fromkeys("r-", 3.996),
+    **dict.fromkeys("cksvxyz", 6.0),
+    **dict.fromkeys("abdeghnopqu0123456789_", 6.674),
+    **dict.fromkeys("=×", 7.008),
+    "w": 8.666,
+    "m": 9.996,
+}
+
+# Full and short forms of what capture and backend put into a name.
+CAPTURE_WORD = {"partial": ("partial", "part"), "full": ("full", "full"), "none": ("eager", "eager")}
+BACKEND_WORD = {
+    "torch-simple": ("simple", "fx"),
+    "torch-compile": ("compile", "tc"),
+    "torch-cudagraph": ("cudagraph", "cg"),
+    "torch-opt": ("opt", "opt"),
+}
+_WORDS = {"capture": CAPTURE_WORD, "capture.mode": CAPTURE_WORD, "backend": BACKEND_WORD,
+          "backend.name": BACKEND_WORD}  # fmt: skip
+
+
+GROUPS = ("model", "capture", "backend", "attention", "runtime", "transforms")  # a value says its key
+
+
+def text_px(text: str) -> float:
+    return sum(_GLYPH_PX.get(c, 10.0) for c in text)
+
+
+def _word(key: str, value: str, level: int) -> str:
+    """A piece of a name at shortening level 0 (full words), 1 (capture short), 2 (backend short),
+    3 (a plain key by its initials: batch_size=4 -> bs=4)."""
+    if forms := _WORDS.get(key):
+        short = level >= (1 if forms is CAPTURE_WORD else 2)
+        return forms.get(value, (value, value))[1 if short else 0]
+    if key.split(".")[0] in GROUPS:
+        return value
+    leaf = key.rsplit(".", 1)[-1]
+    return f"{''.join(p[0] for p in leaf.split('_') if p) if level >= 3 else leaf}={value}"
+
+
+def fitted(pieces: list[tuple[str, str]], budget_px: int) -> str:
+    """(key, value) pieces as a name: the least shortened one that fits the budget (a model name
+    too long for the column on its own still gets cut)."""
+    for level in range(4):
+        name = SEPARATOR.join(_word(k, v, level) for k, v in pieces)
+        if text_px(name) <= budget_px:
+            break
+    return name
+
+
+def run_name(cfg: PipelineConfig, backend: str) -> str:
+    """A single run: model, capture mode and (unless eager) the resolved backend."""
+    pieces = [("model", cfg.model.name), ("capture", cfg.capture.mode)]
+    if cfg.capture.mode != "none":
+        pieces.append(("backend", backend))
+    return fitted(pieces, TOP_LEVEL_PX)
+
+
+def _common_prefix(values: list[str]) -> str:
+    """The part every value starts with, up to a `_` (tiny_qwen3, tiny_gemma2 -> tiny_)."""
+    prefix = os.path.commonprefix(values)
+    return prefix[: prefix.rfind("_") + 1] if len(values) > 1 else ""
+
+
+def child_name(chosen: list[tuple[str, str]], swept: dict[str, list[str]]) -> str:
+    """A sweep's job: its value of each swept key, in the sweep's order. Config groups (model,
+    capture, backend, attention) give the value alone, other keys `leaf=value`; a prefix all swept
+    values of a key share is left out."""
+    pieces = []
+    for key, value in chosen:
+        prefix = _common_prefix(swept.get(key, []))
+        pieces.append((key, value[len(prefix) :] if prefix and value.startswith(prefix) else value))
+    return fitted(pieces, NESTED_PX)
+
+
+def parent_name(swept: dict[str, list[str]]) -> str:
+    """A sweep's parent: `sweep·model×capture`."""
+    return f"sweep{SEPARATOR}" + "×".join(k.rsplit(".", 1)[-1] for k in swept)
+
+
+def unique(name: str, taken: set[str]) -> str:
+    """The name, or with `·2`, `·3` ... when the experiment has it already."""
+    if name not in taken:
+        return name
+    n = 2
+    while f"{name}{SEPARATOR}{n}" in taken:
+        n += 1
+    return f"{name}{SEPARATOR}{n}"
+
+
+def compared_params(cfg: PipelineConfig, *, backend: str, attention: str, dtype, device, text_layers: int,
+                    overrides: list[str]) -> dict[str, str]:  # fmt: skip
+    """The params a person compares runs by (the whole config is the run's config.yaml)."""
+    enabled = sorted(name for name, options in cfg.transforms.items() if _enabled(options))
+    return {
+        "model": cfg.model.name,
+        "capture": cfg.capture.mode,
+        "backend": cfg.backend.name,
+        "backend_resolved": backend,
+        "attention": cfg.attention.name,
+        "attention_resolved": attention,
+        "dtype": dtype_name(dtype),
+        "device": str(device),
+        "batch_size": str(cfg.prompt.batch_size),
+        "prompt_len": str(cfg.prompt.prompt_len) if not cfg.prompt.queries else "queries",
+        "output_len": str(cfg.prompt.output_len),
+        "text_layers": str(text_layers),
+        "world_size": str(cfg.runtime.world_size),
+        "page_size": str(cfg.runtime.attn_page_size),
+        "transforms": ",".join(enabled) if enabled else "none",
+        "seed": str(cfg.seed),
+        "overrides": " ".join(overrides) or "(none)",
+    }
+
+
+def _enabled(options: Any) -> bool:
+    return bool(options.get("enabled", True)) if hasattr(options, "get") else bool(options)
+
+
+def description(params: dict[str, str]) -> str:
+    """The run's one-line summary (its MLflow description)."""
+    return (
+        f"{params['model']} ({params['text_layers']} text layers, {params['dtype']}, {params['device']}), "
+        f"capture={params['capture']}, backend {params['backend_resolved']}, "
+        f"attention {params['attention_resolved']}; batch {params['batch_size']}, "
+        f"prompt {params['prompt_len']}, {params['output_len']} new tokens; overrides: {params['overrides']}"
+    )

@@ -1,0 +1,71 @@
+"""How busy the machine was with other work while a timed block ran, and whether a measurement is
+trustworthy.
+
+Other processes' CPU time during the block (system-wide busy CPU time less this process's own)
+divided by the wall time: the mean number of cores others kept busy. On this 2-core machine, with
+two other busy processes, a tiny model's decode step went from 1.2 ms to 104 ms (the scheduler's
+time slice) at a spread of 1.00: the load is measured, not inferred from the spread. The
+thresholds come from the runs in README "Noise".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import psutil
+
+# A measurement is `noisy` when others kept this many cores busy on average during it ...
+NOISY_OTHER_CORES = 0.5
+# ... or when its steps spread this far (p90 / p10 of the timed decode steps).
+NOISY_SPREAD = 1.5
+MIN_SPREAD_STEPS = 5  # a spread of fewer steps says nothing
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _own_s() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@dataclass
+class MachineLoad:
+    """with MachineLoad() as load: ...; then load.other_cores."""
+
+    wall_s: float = 0.0
+    other_cores: float = 0.0
+
+    def __enter__(self) -> MachineLoad:
+        self._start = (time.perf_counter(), _busy_s(), _own_s())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall0, busy0, own0 = self._start
+        self.wall_s = time.perf_counter() - wall0
+        others = (_busy_s() - busy0) - (_own_s() - own0)
+        self.other_cores = max(others, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation between the sorted values."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def noise_verdict(other_cores: float, step_ms: list[float]) -> tuple[bool, str]:
+    """(noisy, why) for a timed block's load and its step times."""
+    reasons = []
+    if other_cores > NOISY_OTHER_CORES:
+        reasons.append(f"other processes kept {other_cores:.2f} cores busy (> {NOISY_OTHER_CORES})")
+    if len(step_ms) >= MIN_SPREAD_STEPS and quantile(step_ms, 0.1) > 0:
+        spread = quantile(step_ms, 0.9) / quantile(step_ms, 0.1)
+        if spread > NOISY_SPREAD:
+            reasons.append(f"decode steps spread p90/p10 = {spread:.2f} (> {NOISY_SPREAD})")
+    return bool(reasons), "; ".join(reasons)

@@ -1,0 +1,87 @@
+"""Run names and the params runs are compared by (pipeline/run_identity.py)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import compose_cfg
+
+from pipeline import run_identity as ri
+from pipeline.sweep import fixed_overrides, job_values, swept
+
+
+def test_single_run_names_fit_the_runs_table_in_one_style():
+    for model in ("mistral3", "llama4_scout", "qwen2_5_vl", "tiny_llama4_scout", "tiny_paligemma"):
+        for capture in ("partial", "full", "none"):
+            for backend in ("torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"):
+                cfg = compose_cfg([f"model={model}", f"capture={capture}"])
+                name = ri.run_name(cfg, backend)
+                # a name that cannot fit is one whose model name alone takes most of the column
+                assert ri.text_px(name) <= ri.TOP_LEVEL_PX or ri.text_px(model) > 80, name
+                assert name.startswith(f"{model}·")
+                assert name.count("·") == (1 if capture == "none" else 2), name
+    assert ri.run_name(compose_cfg(["model=mistral3"]), "torch-simple") == "mistral3·partial·simple"
+    # one word shorter at a time: capture first, then the backend
+    assert ri.run_name(compose_cfg(["model=mistral3"]), "torch-compile") == "mistral3·part·compile"
+    assert ri.run_name(compose_cfg(["model=tiny_llava"]), "torch-compile") == "tiny_llava·part·compile"
+    assert ri.run_name(compose_cfg(["model=llama4_scout"]), "torch-cudagraph") == "llama4_scout·part·cg"
+    assert (
+        ri.run_name(compose_cfg(["model=qwen2_5_vl", "capture=none"]), "torch-simple") == "qwen2_5_vl·eager"
+    )
+
+
+def test_glyph_widths_match_what_chromium_measured():
+    # measured in the MLflow UI's font (tests/test_browser.py measures the rendered names)
+    assert round(ri.text_px("mistral3·partial·compile"), 2) == 122.71  # cut at 122 px
+    assert ri.text_px("mistral3·partial·simple") < ri.TOP_LEVEL_PX
+
+
+def test_child_names_are_the_swept_values_without_their_shared_prefix():
+    overrides = ["model=tiny_qwen3,tiny_gemma2", "capture=none,partial", "prompt.output_len=4",
+                 "prompt.batch_size=1,4"]  # fmt: skip
+    keys = swept(overrides)
+    assert keys == {"model": ["tiny_qwen3", "tiny_gemma2"], "capture": ["none", "partial"],
+                    "prompt.batch_size": ["1", "4"]}  # fmt: skip
+    assert fixed_overrides(overrides) == ["prompt.output_len=4"]
+    job = ["model=tiny_qwen3", "capture=partial", "prompt.output_len=4", "prompt.batch_size=4"]
+    values = job_values(job, list(keys))
+    assert values == {"model": "tiny_qwen3", "capture": "partial", "prompt.batch_size": "4"}
+    name = ri.child_name(list(values.items()), keys)
+    assert name == "qwen3·part·bs=4" and ri.text_px(name) <= ri.NESTED_PX
+    assert ri.child_name([("model", "tiny_qwen3"), ("capture", "none")], keys) == "qwen3·eager"
+    # one model swept: nothing to leave out
+    assert ri.child_name([("model", "mistral3")], {"model": ["mistral3"]}) == "mistral3"
+    assert swept(["seed=range(3)"]) == {"seed": ["0", "1", "2"]}
+    assert ri.parent_name(keys) == "sweep·model×capture×batch_size"
+
+
+def test_names_are_made_unique():
+    assert ri.unique("a·b", set()) == "a·b"
+    assert ri.unique("a·b", {"a·b"}) == "a·b·2"
+    assert ri.unique("a·b", {"a·b", "a·b·2"}) == "a·b·3"
+
+
+def test_compared_params_are_few_and_say_what_ran():
+    cfg = compose_cfg(["model=tiny_llava", "transforms.fuse_gemms.enabled=false"])
+    params = ri.compared_params(
+        cfg, backend="torch-compile", attention="torch", dtype=torch.float32, device=torch.device("cpu"),
+        text_layers=2, overrides=["model=tiny_llava"],
+    )  # fmt: skip
+    assert 14 <= len(params) <= 18
+    assert params["backend"] == "auto" and params["backend_resolved"] == "torch-compile"
+    assert "fuse_gemms" not in params["transforms"].split(",") and "match_attention" in params["transforms"]
+    assert all(len(v) < 500 and not v.startswith("[") for v in params.values())
+    assert ri.description(params).startswith("tiny_llava (2 text layers, float32, cpu), capture=partial")
+
+
+def test_make_ui_prints_the_classic_runs_view(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tools.ui_url import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment = MlflowClient(uri).create_experiment("pipeline")
+    assert main(["--tracking-uri", uri, "--port", "5001"]) == 0
+    printed = capsys.readouterr().out
+    assert f"http://127.0.0.1:5001/#/experiments/{experiment}/runs?workflowType=machine_learning" in printed
+    assert main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 0  # no store yet
+    assert "/#/experiments?workflowType=machine_learning" in capsys.readouterr().out
