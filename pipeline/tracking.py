@@ -323,7 +323,16 @@ class Tracker:
 
             dataset = mlflow.data.from_pandas(pd.DataFrame(columns), name=name)
             context = InputTag(key="mlflow.data.context", value="workload")
-            self.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
+            inputs = [DatasetInput(dataset._to_mlflow_entity(), [context])]
+            try:
+                self.client.log_inputs(self.run_id, inputs)
+            except Exception as exc:
+                # Parallel jobs of a sweep log the same workload: the store creates a dataset on
+                # first use, and a second job that raced it is refused once; the dataset exists then.
+                if "UNIQUE constraint" not in str(exc):
+                    raise
+                time.sleep(0.2)
+                self.client.log_inputs(self.run_id, inputs)
         except Exception as exc:
             self._offline(f"workload {name}", exc)
 

@@ -15,24 +15,20 @@ import time
 
 import torch
 
-from pipeline.bench.limits import gemv_read_gbs
+from pipeline.bench import rounds
+from pipeline.bench.limits import ReadLimit, gemv_read_gbs
 from pipeline.bench.prepare import advance, engine_of, prepared
 from pipeline.devices import dtype_name, sync
-from pipeline.graphs import find_graphs
+from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.library import references_on_cuda
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
+from pipeline.transforms.registry import model_passes_undone
 
-
-def _hf_times(model, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
-    """HF generate: (decode step, prefill) in seconds, medians over repeats after a warm-up."""
-    for _ in range(2):  # warm-up at the timed lengths: a static cache's length is the generated length
-        _hf_sample(model, prompts, steps)
-    pairs = [_hf_sample(model, prompts, steps) for _ in range(repeats)]
-    return statistics.median(d for d, _ in pairs), statistics.median(p for _, p in pairs)
+HF_EAGER = "HF eager generate"  # the reference every per-backend row is a ratio to
 
 
 def bench_decode(
@@ -41,61 +37,61 @@ def bench_decode(
     prompt_len: int,
     steps: int,
     repeats: int,
-    bandwidth: float,
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """bandwidth: the read bandwidth measured at the start of the run, before any model was loaded."""
+    """Hugging Face eager and demollm on the same weights, taking turns per round (rounds.py) with
+    the read bandwidth measured around each round's samples. Run it in a fresh process
+    (`bench.__main__.in_child`): one process's decode rows of both dtypes kept the float32 model's
+    memory (21 GB resident in the bfloat16 rows) and ran out of memory here."""
+    limit = ReadLimit()  # its buffer before the model
     with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
         weight_bytes = state.model_info.decode_bytes
-        hf, ours, gemv = _decode_step_s(state, batches, prompt_len, steps, repeats)
+        text_config = zoo.text_config_of(state.hf_config)
+        generator = torch.Generator().manual_seed(0)
+        prompts = {
+            b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
+            for b in batches
+        }
+        gemv = gemv_read_gbs(state.model.get_output_embeddings().weight.detach())  # the largest weight
+        engine = engine_of(advance(state, "export", "transforms"))
+        runners = {}
+        for b in batches:
+            runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
+            runners[f"demollm b{b}"] = lambda b=b: _demollm_sample(engine, prompts[b], steps)
+        rounds_, errors = rounds.take_turns(runners, repeats, limit.measure)
+    if errors:
+        raise RuntimeError(f"decode rows failed: {errors}")
     rows = []
     for b in batches:
-        rows.append(
-            {
-                "batch": b,
-                "hf_eager_ms": 1000 * hf[b],
-                "demollm_ms": 1000 * ours[b],
-                "speedup": hf[b] / ours[b],
-                "demollm_gbs": weight_bytes / ours[b] / 1e9,
-                "hf_gbs": weight_bytes / hf[b] / 1e9,
-            }
-        )
+        hf = rounds.row(rounds_, f"HF eager b{b}", read_bytes=weight_bytes)
+        ours = rounds.row(rounds_, f"demollm b{b}", f"HF eager b{b}", weight_bytes)
+        rows.append({"batch": b, "hf_eager": hf, "demollm": ours})
     return {
         "model": name,
         "dtype": dtype_name(dtype),
         "prompt_len": prompt_len,
         "steps": steps,
+        "rounds": repeats,
         "weight_bytes": weight_bytes,
-        "read_bandwidth_gbs": bandwidth,
+        "read_limit_gbs": rounds.spread([r.limit for r in rounds_]),
         "gemv_read_gbs": gemv,
         "rows": rows,
     }
 
 
-def _decode_step_s(state, batches: list[int], prompt_len: int, steps: int, repeats: int):
-    """({batch: HF eager step s}, {batch: demollm step s}, lm_head GEMV GB/s) on the prepared model."""
-    text_config = zoo.text_config_of(state.hf_config)
-    generator = torch.Generator().manual_seed(0)
-    prompts = {
-        b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
-        for b in batches
-    }
-    hf = {b: _hf_times(state.model, prompts[b], steps, repeats)[0] for b in batches}
-    gemv = gemv_read_gbs(state.model.get_output_embeddings().weight.detach())  # the largest weight: lm_head
-    # HF's rows ran first: the transforms rewrite the eager lm_head of this same model.
-    engine = engine_of(advance(state, "export", "transforms"))
-    ours = {b: _demollm_step_s(engine, prompts[b], steps, repeats)[0] for b in batches}
-    return hf, ours, gemv
+def _hf_eager_sample(state, prompts: torch.Tensor, steps: int) -> rounds.Sample:
+    """Hugging Face's generate on the model as Hugging Face built it: the captured graphs swapped
+    back for the modules they replaced and the model-scope rewrites undone, for this sample only
+    (a copy of a 2.9 B float32 model would not fit beside it)."""
+    with model_passes_undone(state.model, state.transform_history), eager_graphs(state.model) as eager:
+        return _hf_sample(eager, prompts, steps)
 
 
-def _demollm_step_s(engine: DemoLLM, prompts: torch.Tensor, steps: int, repeats: int) -> tuple[float, float]:
-    """(median decode step, median prefill) in seconds, after a warm-up generation."""
+def _demollm_sample(engine: DemoLLM, prompts: torch.Tensor, steps: int) -> rounds.Sample:
+    """(median decode step, prefill) in seconds of one demollm generation."""
     requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
-    engine.generate(requests, steps + 1, SamplingParams(), seed=0)  # warm-up (and compile)
-    runs = [engine.generate(requests, steps + 1, SamplingParams(), seed=0) for _ in range(repeats)]
-    return statistics.median(statistics.median(r.decode_step_s) for r in runs), statistics.median(
-        r.prefill_s for r in runs
-    )
+    run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+    return statistics.median(run.decode_step_s), run.prefill_s
 
 
 class _HFCompiled:
@@ -170,13 +166,14 @@ def bench_backends(
     them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
     is a row with its error, not a lost table."""
     with prepared([f"model={name}"], dtype, device) as state:
-        rows = take_turns(
-            _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels), repeats
-        )
-    eager = rows[0].get("decode_ms")
-    for row in rows:
-        if eager and "decode_ms" in row:
-            row["vs_hf_eager"] = row["decode_ms"] / eager
+        runners = _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels)
+        rounds_, errors = rounds.take_turns(runners, repeats)
+    rows = [
+        {"runner": runner, "error": errors[runner]}
+        if runner in errors
+        else rounds.row(rounds_, runner, reference=HF_EAGER)
+        for runner in runners
+    ]
     return {
         "model": name,
         "batch": batch,
@@ -205,7 +202,7 @@ def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without
     hf_compiled = _HFCompiled(hf_model, device)
     lookahead = state.cfg.runtime.lookahead
     return {
-        "HF eager generate": lambda: _hf_sample(hf_model, prompts, steps),
+        HF_EAGER: lambda: _hf_sample(hf_model, prompts, steps),
         "HF static cache + torch.compile": lambda: hf_compiled.sample(prompts, steps),
         **{f"demollm {b}": (lambda b=b: demollm.sample(b, lookahead)) for b in backends},
         # The same backend with every step's tokens read before the next is launched: what the
@@ -243,37 +240,29 @@ class _DemollmSampler:
             backends.remove(self.targets)
 
 
-def take_turns(runners: dict, repeats: int) -> list[dict]:
-    """Each runner -> (decode s, prefill s): one sample each per round, round 0 a warm-up (and
-    compile) whose samples are dropped; a row per runner with the medians, or its error."""
-    from pipeline.errors import short_cause
+def _cell(value, digits: int = 2, unit: str = "") -> str:
+    """A spread as `median (p10-p90)`; a plain number as it is (GPU rows recorded before rounds,
+    in BENCHMARKS.gpu.json, carry one median)."""
+    if isinstance(value, dict):
+        return rounds.shown(value, digits, unit)
+    return f"{value:.{digits}f}{unit}"
 
-    samples: dict[str, list[tuple[float, float]]] = {runner: [] for runner in runners}
-    errors: dict[str, str] = {}
-    for round_ in range(repeats + 1):
-        for runner, sample in runners.items():
-            if runner in errors:
-                continue
-            try:
-                value = sample()
-            except Exception as exc:  # recorded in the table: one broken runner must not hide the others
-                errors[runner] = short_cause(exc)
-                continue
-            if round_:
-                samples[runner].append(value)
-    rows = []
-    for runner in runners:
-        if runner in errors:
-            rows.append({"runner": runner, "error": errors[runner]})
-            continue
-        rows.append(
-            {
-                "runner": runner,
-                "decode_ms": 1000 * statistics.median(d for d, _ in samples[runner]),
-                "prefill_ms": 1000 * statistics.median(p for _, p in samples[runner]),
-            }
-        )
-    return rows
+
+def _noisy(row: dict) -> str:
+    return "NOISY" if row.get("noisy") else ""
+
+
+FIGURE_NAMES = {"vs_reference": "ratio to HF", "pct_of_limit": "% of limit"}
+
+
+def _noisy_figures(ours: dict, hf: dict) -> str:
+    """Which figures of a decode row spread too wide to stand, e.g. `NOISY: HF % of limit`."""
+    named = [
+        f"{who} {FIGURE_NAMES[k]}"
+        for who, row in (("demollm", ours), ("HF", hf))
+        for k in row["noisy_figures"]
+    ]
+    return f"NOISY: {', '.join(named)}" if named else ""
 
 
 def backends_markdown(result: dict, target: str) -> list[str]:
@@ -283,41 +272,53 @@ def backends_markdown(result: dict, target: str) -> list[str]:
         "",
         (
             f"Same weights and batch, one process; the runners take turns, one sample each per round, "
-            f"median over {result['repeats']} rounds after a warm-up round. Target: {target}."
-            if "repeats" in result  # recorded before runners took turns: one runner after another
-            else f"Same weights and batch, one process; median over repeats after a warm-up. Target: {target}."
+            f"{result['repeats']} rounds after a warm-up round; each cell is the median over rounds with "
+            f"p10-p90, the ratio to HF eager taken within each round. Target: {target}."
+            if "repeats" in result  # GPU rows recorded before rounds: one median per runner
+            else f"Same weights and batch, one process; medians over repeats, recorded before ratios were "
+            f"taken per round (no spread). Target: {target}."
         ),
         "",
-        "| runner | decode ms/step | x HF eager | prefill ms |",
-        "|---|---|---|---|",
+        "| runner | decode ms/step | x HF eager (per round) | prefill ms | |",
+        "|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['runner']} | failed: {r['error']} | - | - |")
-        else:
-            ratio = f"{r['vs_hf_eager']:.2f}" if "vs_hf_eager" in r else "-"
-            lines.append(f"| {r['runner']} | {r['decode_ms']:.2f} | {ratio} | {r['prefill_ms']:.1f} |")
+            lines.append(f"| {r['runner']} | failed: {r['error']} | - | - | |")
+            continue
+        ratio = r.get("vs_reference", r.get("vs_hf_eager"))
+        lines.append(
+            f"| {r['runner']} | {_cell(r['decode_ms'])} | {_cell(ratio) if ratio is not None else '1.00'} | "
+            f"{_cell(r['prefill_ms'], 1)} | {_noisy(r)} |"
+        )
     return lines
 
 
 def markdown(result: dict) -> list[str]:
-    bw, gemv = result["read_bandwidth_gbs"], result["gemv_read_gbs"]
+    limit, gemv = result["read_limit_gbs"], result["gemv_read_gbs"]
     lines = [
         f"## Decode, `model={result['model']}` ({result['dtype']}, CPU, prompt {result['prompt_len']} tokens)",
         "",
-        f"Measured read bandwidth: {bw:.1f} GB/s. A step reads {result['weight_bytes'] / 1e9:.2f} GB of weights "
-        "(decoder layers, final norm, lm_head). Median step over "
-        f"{result['steps']} decode steps. Target: at least 85 % of the read bandwidth, and never slower "
-        "than Hugging Face eager. For reference, one GEMV over the lm_head weight with the kernel demollm's "
-        f"linears use in this dtype reads {gemv:.1f} GB/s (last column: demollm as a percent of that).",
+        f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch) on the same weights "
+        f"take turns, {result['rounds']} rounds after a warm-up round; the read bandwidth is measured "
+        f"before and after each round's samples ({_cell(limit, 1, ' GB/s')} over the rounds). A step reads "
+        f"{result['weight_bytes'] / 1e9:.2f} GB of weights (decoder layers, final norm, lm_head); each row "
+        f"is the median over rounds (p10-p90) of the round's median step, and the ratios are taken "
+        f"within each round. Target: at least 85 % of the read bandwidth, and never slower than Hugging "
+        f"Face eager. One GEMV over the lm_head weight with demollm's kernel in this dtype read "
+        f"{gemv:.1f} GB/s (demollm as a percent of that: the GEMV column). NOISY names a figure whose "
+        f"per-round values spread over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
         "",
-        "| batch | HF eager generate | demollm (uncompiled graph, attention=torch) | demollm vs HF | demollm bandwidth | HF bandwidth | demollm / GEMV |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | HF eager ms/step | demollm ms/step | demollm / HF step | demollm % of read limit | "
+        "HF % of read limit | demollm / GEMV | |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        hf, ours = r["hf_eager"], r["demollm"]
         lines.append(
-            f"| {r['batch']} | {r['hf_eager_ms']:.1f} ms | {r['demollm_ms']:.1f} ms | {r['speedup']:.2f}x | "
-            f"{r['demollm_gbs']:.1f} GB/s ({100 * r['demollm_gbs'] / bw:.0f} %) | "
-            f"{r['hf_gbs']:.1f} GB/s ({100 * r['hf_gbs'] / bw:.0f} %) | {100 * r['demollm_gbs'] / gemv:.0f} % |"
+            f"| {r['batch']} | {_cell(hf['decode_ms'], 1)} | {_cell(ours['decode_ms'], 1)} | "
+            f"{_cell(ours['vs_reference'])} | {_cell(ours['pct_of_limit'], 0, ' %')} | "
+            f"{_cell(hf['pct_of_limit'], 0, ' %')} | {100 * ours['gbs']['median'] / gemv:.0f} % | "
+            f"{_noisy_figures(ours, hf)} |"
         )
     return lines

@@ -8,23 +8,23 @@ import time
 import torch
 
 from pipeline.devices import sync
+from pipeline.runtime.machine_load import read_gbs
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, device: torch.device | None = None) -> float:
-    """A large float32 reduction: bytes read / time, best of repeats after a warm-up (the limit
-    is what the machine can do; slower repeats are interference). Measure it before loading a
-    model: with most of the memory freshly freed, it read 4x lower here."""
-    device = device or torch.device("cpu")
-    x = torch.ones(int(gib * 2**30) // 4, device=device)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        x.sum()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / min(times) / 1e9
+class ReadLimit:
+    """A large float32 reduction: bytes read / time, best of repeats (the limit is what the
+    machine can do; slower repeats are interference). The buffer is allocated once, before any
+    model is loaded (a buffer allocated into freshly freed memory read 4x lower here), and re-read
+    whenever a round asks: the limit drifts 45-80 GB/s within half an hour on this machine, so it
+    is measured beside the samples it divides."""
+
+    def __init__(self, gib: float = 1.0, device: torch.device | None = None):
+        self.device = device or torch.device("cpu")
+        self.buffer = torch.ones(int(gib * 2**30) // 4, device=self.device)
+        self.buffer.sum()  # pages touched
+
+    def measure(self) -> float:
+        return read_gbs(self.buffer)
 
 
 def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:

@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass
 
 import psutil
+import torch
+
+from pipeline.devices import sync
 
 # A measurement is `noisy` when others kept this many cores busy on average during it ...
 NOISY_OTHER_CORES = 0.5
@@ -69,3 +72,24 @@ def noise_verdict(other_cores: float, step_ms: list[float]) -> tuple[bool, str]:
         if spread > NOISY_SPREAD:
             reasons.append(f"decode steps spread p90/p10 = {spread:.2f} (> {NOISY_SPREAD})")
     return bool(reasons), "; ".join(reasons)
+
+
+def read_gbs(buffer: torch.Tensor, repeats: int = 3) -> float:
+    """The read bandwidth now: a float32 reduction over `buffer` (already touched), bytes / time,
+    best of repeats (slower repeats are interference, not the machine's limit)."""
+    times = []
+    for _ in range(repeats):
+        sync(buffer.device)
+        start = time.perf_counter()
+        buffer.sum()
+        sync(buffer.device)
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / min(times) / 1e9
+
+
+def read_limit_gbs(device: torch.device, mib: int = 256) -> float:
+    """The read bandwidth measured at this moment, for a run's "% of bandwidth": a buffer far
+    larger than the caches, touched once, then read (about 0.1 s on this CPU)."""
+    buffer = torch.ones(mib * 2**20 // 4, device=device)
+    buffer.sum()
+    return read_gbs(buffer)

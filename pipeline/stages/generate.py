@@ -8,7 +8,7 @@ from pipeline.errors import StageFailure
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime import metrics as generation
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile
+from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile, read_limit_gbs
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
@@ -47,6 +47,11 @@ def run(state: RunState) -> StageResult:
     steps = generation.decode_steps_ms(runs, engine.lookahead)
     noisy, why = noise_verdict(load.other_cores, steps)
     metrics["noise/other_cores"] = load.other_cores
+    # The limit of this moment beside the run's own read rate: the machine's drifts by 2x in an hour.
+    metrics["throughput/read_limit_gbs"] = read_limit_gbs(state.device)
+    metrics["throughput/decode_pct_of_limit"] = (
+        100 * metrics["throughput/decode_gbs"] / metrics["throughput/read_limit_gbs"]
+    )
     if steps:
         metrics["noise/decode_spread"] = quantile(steps, 0.9) / quantile(steps, 0.1)
     if noisy:

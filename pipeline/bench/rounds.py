@@ -1,0 +1,102 @@
+"""Rounds: every runner that is compared with another, and the machine's limit, take turns.
+
+On this machine both sides of a ratio drift: the same demollm float32 decode step measured 135 to
+272 ms in one day, and a large read 45 to 80 GB/s within half an hour. So a round measures the
+limit, then one sample of every runner, then the limit again; a ratio (runner / reference, runner /
+limit) is taken within each round, where the drift is shared, and a row reports the median of those
+per-round ratios with their p10-p90 spread. Round 0 warms up (and compiles) and is dropped.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.runtime.machine_load import quantile
+
+# A row whose per-round ratio spreads wider than this (p90 / p10) is marked noisy, not a result.
+# Measured here (pipeline/bench/notes.md, "Noise"; small_mistral, 7 rounds): quiet, the ratios to
+# HF eager spread 1.04-1.11x; with one or two busy processes beside the bench, 1.27-4.1x.
+NOISY_SPREAD = 1.2
+
+Sample = tuple[float, float]  # (decode step s, prefill s)
+
+
+@dataclass
+class Round:
+    samples: dict[str, Sample] = field(default_factory=dict)
+    limit: float | None = None  # the mean of the limit measured before and after the samples
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """median, p10, p90 (and n) of a list of values."""
+    return {
+        "median": statistics.median(values),
+        "p10": quantile(values, 0.1),
+        "p90": quantile(values, 0.9),
+        "n": len(values),
+    }
+
+
+def is_noisy(values: dict[str, float]) -> bool:
+    return values["p10"] > 0 and values["p90"] / values["p10"] > NOISY_SPREAD
+
+
+def take_turns(
+    runners: dict[str, Callable[[], Sample]], repeats: int, limit: Callable[[], float] | None = None
+) -> tuple[list[Round], dict[str, str]]:
+    """`repeats` rounds after a warm-up round: the limit (when given), one sample of each runner,
+    the limit again. Returns the rounds and each failed runner's error (a runner that fails is
+    reported, not allowed to hide the others)."""
+    from pipeline.errors import short_cause
+
+    rounds: list[Round] = []
+    errors: dict[str, str] = {}
+    for number in range(repeats + 1):
+        before = limit() if limit and number else None
+        current = Round()
+        for runner, sample in runners.items():
+            if runner in errors:
+                continue
+            try:
+                current.samples[runner] = sample()
+            except Exception as exc:  # recorded in the table
+                errors[runner] = short_cause(exc)
+        if number:
+            current.limit = (before + limit()) / 2 if limit else None
+            rounds.append(current)
+    return rounds, errors
+
+
+def row(rounds: list[Round], runner: str, reference: str | None = None, read_bytes: int = 0) -> dict:
+    """One runner's row: decode and prefill ms, and per round its ratio to the reference runner
+    (`vs_reference`: runner step / reference step) and its read rate as a percent of that
+    round's limit (`pct_of_limit`, when read_bytes and a limit are given); each as a spread."""
+    mine = [r for r in rounds if runner in r.samples]
+    decode = [r.samples[runner][0] for r in mine]
+    result = {
+        "runner": runner,
+        "decode_ms": spread([1000 * s for s in decode]),
+        "prefill_ms": spread([1000 * r.samples[runner][1] for r in mine]),
+    }
+    if reference and reference != runner:
+        paired = [r for r in mine if reference in r.samples]
+        if paired:
+            result["vs_reference"] = spread([r.samples[runner][0] / r.samples[reference][0] for r in paired])
+    if read_bytes and all(r.limit for r in mine):
+        result["gbs"] = spread([read_bytes / s / 1e9 for s in decode])
+        result["pct_of_limit"] = spread(
+            [100 * read_bytes / s / 1e9 / r.limit for s, r in zip(decode, mine, strict=True)]
+        )
+    # which of its results spread too wide to stand (the ratio to the reference, the percent of limit)
+    result["noisy_figures"] = [
+        k for k in ("vs_reference", "pct_of_limit") if k in result and is_noisy(result[k])
+    ]
+    result["noisy"] = bool(result["noisy_figures"])
+    return result
+
+
+def shown(values: dict[str, float], digits: int = 2, unit: str = "") -> str:
+    """`median (p10-p90)` as a table cell."""
+    return f"{values['median']:.{digits}f}{unit} ({values['p10']:.{digits}f}-{values['p90']:.{digits}f})"
