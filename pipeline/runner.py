@@ -202,6 +202,7 @@ class Runner:
 
     def _write_summary(self, status: str, stage: str = "", cause: str = "") -> None:
         """summary.json in the run folder: what a sweep's comparison reads, with or without MLflow."""
+        params = self._params()
         summary = {
             "name": self.tracker.run_name or self.name,
             "status": status,
@@ -211,8 +212,8 @@ class Runner:
             "tags": self._tags() | self._result_tags(),
             "metrics": metrics_of(self.state),
             "overrides": self.overrides,
-            "params": self._params(),
-            "description": run_identity.description(self._params()),
+            "params": params,
+            "description": run_identity.description(params),
         }
         (self.state.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
 

@@ -124,6 +124,7 @@ class Tracker:
         self.enabled = enabled
         self.run_id: str | None = None
         self.experiment_id: str | None = None
+        self.run_name: str | None = None  # as the store gave it (the asked-for one, or with a suffix)
         self.client = None
         self.unlogged: list[str] = []
         self.system_metrics = None  # MLflow's psutil sampler while the run is open
@@ -194,7 +195,7 @@ class Tracker:
             run = self.client.create_run(
                 experiment_id, run_name=self._unique(experiment_id, run_name), tags=tags
             )
-            self.run_id = run.info.run_id
+            self.run_id, self.run_name = run.info.run_id, run.info.run_name
             self.experiment_id = experiment_id
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), BATCH):
@@ -211,13 +212,6 @@ class Tracker:
             return
         if system_metrics:
             self._start_system_metrics()
-
-    @property
-    def run_name(self) -> str | None:
-        """The name the store gave the run (the asked-for one, or with a suffix)."""
-        if not self.active:
-            return None
-        return self.client.get_run(self.run_id).info.run_name
 
     def _unique(self, experiment_id: str, name: str) -> str:
         from pipeline.run_identity import unique
