@@ -45,8 +45,17 @@ def fake(name: str):
 def references_on_cuda() -> Iterator[None]:
     """Inside, CUDA tensors take the ops' reference implementations (chains of aten kernels) in
     place of their CUDA kernels; the kernels are back on exit. For the benchmark's A/B of them."""
+    with kernels_replaced(REFERENCES, "CUDA"):
+        yield
+
+
+@contextlib.contextmanager
+def kernels_replaced(impls: dict[str, Callable], dispatch_key: str) -> Iterator[None]:
+    """Inside, `pipeline::<name>` runs impls[name] for tensors of the dispatch key ("CPU", "CUDA");
+    the registered kernels are back on exit. Captured graphs and compiled code call the ops through
+    the dispatcher, so they take the replacement too."""
     with torch.library._scoped_library("pipeline", "IMPL") as overrides, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-        for name, impl in REFERENCES.items():
-            overrides.impl(name, impl, "CUDA")
+        for name, impl in impls.items():
+            overrides.impl(name, impl, dispatch_key)
         yield

@@ -204,10 +204,13 @@ def plot(results: dict, path: Path) -> None:
         if "vs_reference" in r
     ]
     limits = [
-        {"row": f"decode {d['dtype']} b{r['batch']} {who}", "% of limit": r[key]["pct_of_limit"]["median"]}
+        {
+            "row": f"decode {d['dtype']} b{r['batch']} {runner['runner']}",
+            "% of limit": runner["pct_of_gemv"]["median"],
+        }
         for d in results["decode"]
-        for who, key in (("demollm", "demollm"), ("HF eager", "hf_eager"))
         for r in d["rows"]
+        for runner in r["runners"]
     ] + [
         {"row": f"prefill {r['tokens']}", "% of limit": r["pct_of_gemm"]["median"]}
         for r in results["prefill"]["rows"]
@@ -218,7 +221,7 @@ def plot(results: dict, path: Path) -> None:
     axes[0].axvline(1.0, color="#333", linewidth=0.8)
     axes[0].set_title("decode step time, x Hugging Face eager per round, median (lower is faster)")
     sns.barplot(pd.DataFrame(limits), y="row", x="% of limit", ax=axes[1], orient="h", color="#4c72b0")
-    axes[1].set_title("% of the limit measured in the same round, median (read bandwidth; GEMM for prefill)")
+    axes[1].set_title("% of the limit measured in the same round, median (decode: GEMV pass; prefill: GEMM)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -259,9 +262,20 @@ def main() -> None:
         help="the seed's layout at tiny size, for the host-work counts",
     )
     parser.add_argument("--prefill-tokens", default="128,1024")
+    parser.add_argument("--run-repeats", type=int, default=3, help="whole `make run`s, one after another")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: write the markdown again from the output's .json (after editing notes.md)",
+    )
     parser.add_argument("--plot", type=Path, default=REPO_ROOT / "outputs" / "readme" / "benchmarks.png")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(args.output.with_suffix(".json").read_text())
+        gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
+        args.output.write_text(markdown(results["model"], results, gpu))
+        return
     models = [args.small_model, args.model]
     if args.device == "cuda":
         gpu = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "backends": []}
@@ -286,7 +300,7 @@ def main() -> None:
     batches = [int(b) for b in args.decode_batches.split(",")]
     # First, while this process holds no model: the whole run (its memory check must see the
     # machine's free memory) and the read bandwidth.
-    whole_run = pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"])
+    whole_run = pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"], args.run_repeats)
     load_start = machine_load()
     with MachineLoad() as busy:  # other processes' CPU time while the rows run
         results = {
@@ -319,6 +333,7 @@ def main() -> None:
                     torch.device("cpu"),
                     torch.float32,
                     CPU_BACKENDS,
+                    f_linear=["torch-simple"],
                 )
                 for name in models[:1]
             ],

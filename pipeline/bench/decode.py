@@ -16,11 +16,11 @@ import time
 import torch
 
 from pipeline.bench import rounds
-from pipeline.bench.limits import ReadLimit, gemv_read_gbs
+from pipeline.bench.limits import ReadLimit, WeightPass
 from pipeline.bench.prepare import advance, engine_of, prepared
 from pipeline.devices import dtype_name, sync
 from pipeline.graphs import eager_graphs, find_graphs
-from pipeline.library import references_on_cuda
+from pipeline.library import kernels_replaced, references_on_cuda
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime.engine import DemoLLM
@@ -39,11 +39,13 @@ def bench_decode(
     repeats: int,
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Hugging Face eager and demollm on the same weights, taking turns per round (rounds.py) with
-    the read bandwidth measured around each round's samples. Run it in a fresh process
-    (`bench.__main__.in_child`): one process's decode rows of both dtypes kept the float32 model's
-    memory (21 GB resident in the bfloat16 rows) and ran out of memory here."""
-    limit = ReadLimit()  # its buffer before the model
+    """Hugging Face eager and demollm on the same weights (and, where the onednn_linear transform
+    put oneDNN's inner product in the graph, demollm again with F.linear in its place), taking turns
+    per round (rounds.py) with two limits measured around each round's samples: the read bandwidth
+    and the GEMV pass over the step's own weights (limits.WeightPass) at each batch. Run it in a
+    fresh process (`bench.__main__.in_child`): one process's decode rows of both dtypes kept the
+    float32 model's memory (21 GB resident in the bfloat16 rows) and ran out of memory here."""
+    read = ReadLimit()  # its buffer before the model
     with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
         weight_bytes = state.model_info.decode_bytes
         text_config = zoo.text_config_of(state.hf_config)
@@ -52,20 +54,37 @@ def bench_decode(
             b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
             for b in batches
         }
-        gemv = gemv_read_gbs(state.model.get_output_embeddings().weight.detach())  # the largest weight
         engine = engine_of(advance(state, "export", "transforms"))
+        weights = [p for _, gm in find_graphs(state.model) for p in gm.parameters()]
+        weights.append(state.model.get_output_embeddings().weight)
+        limits = {"read": read.measure}
+        limits |= {f"gemv b{b}": WeightPass(weights, b, repeats=steps).measure for b in batches}
+        onednn = state.transform_history.matches("onednn_linear") > 0
         runners = {}
         for b in batches:
             runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
             runners[f"demollm b{b}"] = lambda b=b: _demollm_sample(engine, prompts[b], steps)
-        rounds_, errors = rounds.take_turns(runners, repeats, limit.measure)
+            if onednn:
+                runners[f"demollm F.linear b{b}"] = lambda b=b: _f_linear_sample(engine, prompts[b], steps)
+        rounds_, errors = rounds.take_turns(runners, repeats, limits)
     if errors:
         raise RuntimeError(f"decode rows failed: {errors}")
     rows = []
     for b in batches:
-        hf = rounds.row(rounds_, f"HF eager b{b}", read_bytes=weight_bytes)
-        ours = rounds.row(rounds_, f"demollm b{b}", f"HF eager b{b}", weight_bytes)
-        rows.append({"batch": b, "hf_eager": hf, "demollm": ours})
+        named = {"read": "read", "gemv": f"gemv b{b}"}
+        hf = f"HF eager b{b}"
+        rows.append(
+            {
+                "batch": b,
+                "gemv_pass_gbs": rounds.spread([r.limits[f"gemv b{b}"] for r in rounds_]),
+                "runners": [
+                    rounds.row(rounds_, runner, hf, weight_bytes, named)
+                    | {"runner": runner.removesuffix(f" b{b}")}
+                    for runner in runners
+                    if runner.endswith(f" b{b}")
+                ],
+            }
+        )
     return {
         "model": name,
         "dtype": dtype_name(dtype),
@@ -73,10 +92,19 @@ def bench_decode(
         "steps": steps,
         "rounds": repeats,
         "weight_bytes": weight_bytes,
-        "read_limit_gbs": rounds.spread([r.limit for r in rounds_]),
-        "gemv_read_gbs": gemv,
+        "read_limit_gbs": rounds.spread([r.limits["read"] for r in rounds_]),
         "rows": rows,
     }
+
+
+F_LINEAR = {"onednn_linear": lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)}
+
+
+def _f_linear_sample(engine: DemoLLM, prompts: torch.Tensor, steps: int) -> rounds.Sample:
+    """demollm with every pipeline::onednn_linear (graph and eager lm_head) run by F.linear: what
+    the linear implementation is worth, on the same weights, in the same rounds."""
+    with kernels_replaced(F_LINEAR, "CPU"):
+        return _demollm_sample(engine, prompts, steps)
 
 
 def _hf_eager_sample(state, prompts: torch.Tensor, steps: int) -> rounds.Sample:
@@ -158,15 +186,19 @@ def bench_backends(
     backends: list[str],
     stepped: tuple[str, ...] | list[str] = (),
     without_kernels: tuple[str, ...] | list[str] = (),
+    f_linear: tuple[str, ...] | list[str] = (),
 ) -> dict:
     """Per runner, same weights and batch, one process: HF eager, HF static cache + torch.compile,
-    and demollm with each backend (each of `stepped` again with runtime.lookahead 0, and each of
-    `without_kernels` again with the canonical ops' reference aten chains on CUDA). Runners
+    and demollm with each backend (each of `stepped` again with runtime.lookahead 0, each of
+    `without_kernels` again with the canonical ops' reference aten chains on CUDA, and each of
+    `f_linear` again with F.linear in place of oneDNN's inner product on CPU). Runners
     take turns, one sample each per round, so that a slow phase of a noisy machine lands on all of
     them, not on whichever ran then; medians over rounds after a warm-up round. A runner that fails
     is a row with its error, not a lost table."""
     with prepared([f"model={name}"], dtype, device) as state:
-        runners = _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels)
+        runners = _backend_runners(
+            state, batch, prompt_len, steps, backends, stepped, without_kernels, f_linear
+        )
         rounds_, errors = rounds.take_turns(runners, repeats)
     rows = [
         {"runner": runner, "error": errors[runner]}
@@ -186,7 +218,7 @@ def bench_backends(
     }
 
 
-def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels) -> dict:
+def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without_kernels, f_linear) -> dict:
     """name -> a sample (decode s, prefill s): HF eager and HF's compile recipe on a copy of the
     eager model, demollm per backend on the prepared one."""
     device = state.device
@@ -213,6 +245,12 @@ def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without
             f"demollm {b}, aten ops": (lambda b=b: demollm.sample(b, lookahead, kernels=False))
             for b in without_kernels
         },
+        # The same backend with F.linear for every linear oneDNN's inner product ran: what the
+        # onednn_linear transform is worth.
+        **{
+            f"demollm {b}, F.linear": (lambda b=b: demollm.sample(b, lookahead, linear=F_LINEAR))
+            for b in f_linear
+        },
     }
 
 
@@ -224,7 +262,9 @@ class _DemollmSampler:
         self.requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
         self.on_cuda = prompts.device.type == "cuda"
 
-    def sample(self, backend: str, lookahead: int, kernels: bool = True) -> tuple[float, float]:
+    def sample(
+        self, backend: str, lookahead: int, kernels: bool = True, linear: dict | None = None
+    ) -> tuple[float, float]:
         from pipeline import backends
 
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
@@ -232,7 +272,10 @@ class _DemollmSampler:
         self.engine.lookahead = lookahead
         try:
             # CUDA graphs are captured in the first generate, with the kernels active then
-            with contextlib.nullcontext() if kernels else references_on_cuda():
+            with (
+                contextlib.nullcontext() if kernels else references_on_cuda(),
+                kernels_replaced(linear, "CPU") if linear else contextlib.nullcontext(),
+            ):
                 self.engine.generate(self.requests, 3, SamplingParams(), seed=0)  # caches warm
                 run = self.engine.generate(self.requests, self.steps + 1, SamplingParams(), seed=0)
             return statistics.median(run.decode_step_s), run.prefill_s
@@ -252,17 +295,11 @@ def _noisy(row: dict) -> str:
     return "NOISY" if row.get("noisy") else ""
 
 
-FIGURE_NAMES = {"vs_reference": "ratio to HF", "pct_of_limit": "% of limit"}
-
-
-def _noisy_figures(ours: dict, hf: dict) -> str:
-    """Which figures of a decode row spread too wide to stand, e.g. `NOISY: HF % of limit`."""
-    named = [
-        f"{who} {FIGURE_NAMES[k]}"
-        for who, row in (("demollm", ours), ("HF", hf))
-        for k in row["noisy_figures"]
-    ]
-    return f"NOISY: {', '.join(named)}" if named else ""
+FIGURE_NAMES = {
+    "vs_reference": "ratio to HF",
+    "pct_of_read": "% of read limit",
+    "pct_of_gemv": "% of GEMV pass",
+}
 
 
 def backends_markdown(result: dict, target: str) -> list[str]:
@@ -295,30 +332,33 @@ def backends_markdown(result: dict, target: str) -> list[str]:
 
 
 def markdown(result: dict) -> list[str]:
-    limit, gemv = result["read_limit_gbs"], result["gemv_read_gbs"]
     lines = [
         f"## Decode, `model={result['model']}` ({result['dtype']}, CPU, prompt {result['prompt_len']} tokens)",
         "",
-        f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch) on the same weights "
-        f"take turns, {result['rounds']} rounds after a warm-up round; the read bandwidth is measured "
-        f"before and after each round's samples ({_cell(limit, 1, ' GB/s')} over the rounds). A step reads "
-        f"{result['weight_bytes'] / 1e9:.2f} GB of weights (decoder layers, final norm, lm_head); each row "
-        f"is the median over rounds (p10-p90) of the round's median step, and the ratios are taken "
-        f"within each round. Target: at least 85 % of the read bandwidth, and never slower than Hugging "
-        f"Face eager. One GEMV over the lm_head weight with demollm's kernel in this dtype read "
-        f"{gemv:.1f} GB/s (demollm as a percent of that: the GEMV column). NOISY names a figure whose "
-        f"per-round values spread over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
+        f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; in float32 also "
+        f"with F.linear in place of oneDNN's inner product) on the same weights take turns, "
+        f"{result['rounds']} rounds after a warm-up round. Two limits are measured before and after each "
+        f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
+        f"for the round: the read bandwidth of a 1 GiB float32 reduction "
+        f"({_cell(result['read_limit_gbs'], 1, ' GB/s')} over the rounds) and the GEMV pass: every "
+        f"weight of the step multiplied by a [batch, K] input with demollm's kernel, back to back (per "
+        f"batch below). A step reads {result['weight_bytes'] / 1e9:.2f} GB of weights (decoder layers, "
+        f"final norm, lm_head); each cell is the median over rounds (p10-p90) of the round's median "
+        f"step, and every ratio is taken within a round. Target: at least 85 % of the read bandwidth, "
+        f"and never slower than Hugging Face eager. NOISY names a figure whose per-round values spread "
+        f"over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
         "",
-        "| batch | HF eager ms/step | demollm ms/step | demollm / HF step | demollm % of read limit | "
-        "HF % of read limit | demollm / GEMV | |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | runner | ms/step | x HF eager (per round) | % of read limit | % of GEMV pass | |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        hf, ours = r["hf_eager"], r["demollm"]
-        lines.append(
-            f"| {r['batch']} | {_cell(hf['decode_ms'], 1)} | {_cell(ours['decode_ms'], 1)} | "
-            f"{_cell(ours['vs_reference'])} | {_cell(ours['pct_of_limit'], 0, ' %')} | "
-            f"{_cell(hf['pct_of_limit'], 0, ' %')} | {100 * ours['gbs']['median'] / gemv:.0f} % | "
-            f"{_noisy_figures(ours, hf)} |"
-        )
+        for i, runner in enumerate(r["runners"]):
+            batch = f"{r['batch']} (GEMV pass {_cell(r['gemv_pass_gbs'], 1, ' GB/s')})" if i == 0 else ""
+            ratio = _cell(runner["vs_reference"]) if "vs_reference" in runner else "1.00"
+            noisy = [FIGURE_NAMES[k] for k in runner["noisy_figures"]]
+            lines.append(
+                f"| {batch} | {runner['runner']} | {_cell(runner['decode_ms'], 1)} | {ratio} | "
+                f"{_cell(runner['pct_of_read'], 0, ' %')} | {_cell(runner['pct_of_gemv'], 0, ' %')} | "
+                f"{'NOISY: ' + ', '.join(noisy) if noisy else ''} |"
+            )
     return lines

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.backends import apply, remove
+from pipeline.bench import rounds
 from pipeline.bench.prepare import engine_of, prepared
 from pipeline.graphs import find_graphs
 from pipeline.models import zoo
@@ -70,15 +71,15 @@ class _OpCounter(TorchDispatchMode):
 
 def _host_ms(
     engine: DemoLLM, requests: list[Request], graph_calls: _GraphCalls, steps: int, repeats: int
-) -> float:
-    """Median over runs of (median decode step - median graph forward), in ms."""
+) -> dict[str, float]:
+    """Over runs, (median decode step - median graph forward) in ms, as a spread."""
     outside = []
     for _ in range(repeats):
         graph_calls.seconds = []
         generation = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
         forwards = graph_calls.seconds[1:]  # the first call is the prefill
         outside.append(generation.decode_ms - 1000 * statistics.median(forwards))
-    return statistics.median(outside)
+    return rounds.spread(outside)
 
 
 def bench_engine_work(
@@ -151,7 +152,7 @@ def markdown(result: dict) -> list[str]:
         "is a kernel launch or copy the host issues, each host tensor (built from Python values) a "
         "host-to-device copy, and each device read a stall of the host until the device is idle. "
         "Host ms: the decode step's time with the graph forward's own time taken out (median of "
-        f"{result['repeats']} runs on this CPU): the engine, the eager parts and the copies, the "
+        f"{result['repeats']} runs on this CPU, p10-p90): the engine, the eager parts and the copies, the "
         "work the host must finish within the device's step for running ahead to hide it.",
         "",
         "| backend | batch | ops | host tensors | device reads | host ms |",
@@ -160,6 +161,6 @@ def markdown(result: dict) -> list[str]:
     for r in result["rows"]:
         lines.append(
             f"| {r['backend']} | {r['batch']} | {r['ops']:.0f} | {r['host_tensors']:.0f} | "
-            f"{r['device_reads']:.0f} | {r['host_ms']:.3f} |"
+            f"{r['device_reads']:.0f} | {rounds.shown(r['host_ms'], 3)} |"
         )
     return lines

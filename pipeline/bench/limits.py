@@ -12,19 +12,21 @@ from pipeline.runtime.machine_load import read_gbs
 
 
 class ReadLimit:
-    """A large float32 reduction: bytes read / time, best of repeats (the limit is what the
-    machine can do; slower repeats are interference). The buffer is allocated once, before any
+    """A large float32 reduction: bytes read / median time over `repeats` reads (about 0.7 s, as
+    long as a decode sample: the best of three short reads picked this machine's fast phases, which
+    the samples beside it did not see). The buffer is allocated once, before any
     model is loaded (a buffer allocated into freshly freed memory read 4x lower here), and re-read
     whenever a round asks: the limit drifts 45-80 GB/s within half an hour on this machine, so it
     is measured beside the samples it divides."""
 
-    def __init__(self, gib: float = 1.0, device: torch.device | None = None):
+    def __init__(self, gib: float = 1.0, device: torch.device | None = None, repeats: int = 30):
         self.device = device or torch.device("cpu")
         self.buffer = torch.ones(int(gib * 2**30) // 4, device=self.device)
         self.buffer.sum()  # pages touched
+        self.repeats = repeats
 
     def measure(self) -> float:
-        return read_gbs(self.buffer)
+        return read_gbs(self.buffer, self.repeats, statistics.median)
 
 
 def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
@@ -51,28 +53,52 @@ def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
     return best
 
 
-def gemv_read_gbs(weight: torch.Tensor, repeats: int = 5) -> float:
-    """A decode-step GEMV, [1, K] x weight [N, K]^T, with the kernel demollm's linears run for the
-    weight's dtype (oneDNN's inner product for float32 on CPU, F.linear otherwise): weight bytes /
-    time, best of repeats after a warm-up. The read rate one large matrix-vector product reaches;
-    decode cannot read weights faster than its GEMVs do."""
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel demollm's linears run for the weight's dtype: oneDNN's inner product for float32
+    on CPU (the onednn_linear transform), F.linear otherwise. x: [B, K]; weight: [N, K]."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return torch.nn.functional.linear(x, weight)
 
-        def kernel():
-            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    else:
 
-        def kernel():
-            return torch.nn.functional.linear(x, weight)
+class WeightPass:
+    """Every weight a decode step reads, multiplied by a [batch, K] input with demollm's kernel, back
+    to back: weight bytes / median time over `repeats` passes (as many as a decode sample has
+    steps, so that the pass sees the machine's fast and slow phases as a sample does). The limit a
+    decode step of these weights meets when nothing but its GEMVs runs; a step follows the GEMVs it
+    is made of more closely than a reduction (pipeline/bench/notes.md, "Noise")."""
 
-    with torch.no_grad():
-        kernel()
+    def __init__(self, weights: list[torch.Tensor], batch: int, repeats: int = 8):
+        self.weights = _distinct_storages(weights)
+        self.bytes = sum(w.numel() * w.element_size() for w in self.weights)
+        self.inputs = {
+            k: torch.randn(batch, k, dtype=self.weights[0].dtype, device=self.weights[0].device)
+            for k in {w.shape[1] for w in self.weights}
+        }
+        self.repeats = repeats
+
+    def measure(self) -> float:
+        device = self.weights[0].device
         times = []
-        for _ in range(repeats):
-            sync(weight.device)
-            start = time.perf_counter()
-            kernel()
-            sync(weight.device)
-            times.append(time.perf_counter() - start)
-    return weight.numel() * weight.element_size() / min(times) / 1e9
+        with torch.no_grad():
+            for _ in range(self.repeats):
+                sync(device)
+                start = time.perf_counter()
+                for weight in self.weights:
+                    _decode_linear(self.inputs[weight.shape[1]], weight)
+                sync(device)
+                times.append(time.perf_counter() - start)
+        return self.bytes / statistics.median(times) / 1e9
+
+
+def _distinct_storages(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-D weights, one per storage (the largest): a fused weight and the row views of it the
+    eager modules keep (fuse_gemms) are read once."""
+    largest: dict[int, torch.Tensor] = {}
+    for weight in weights:
+        if weight.dim() != 2:
+            continue
+        key = weight.untyped_storage().data_ptr()
+        if key not in largest or weight.numel() > largest[key].numel():
+            largest[key] = weight.detach()
+    return list(largest.values())

@@ -57,16 +57,16 @@ def _rows(state, token_counts: list[int], repeats: int) -> list[dict]:
                 tokens, text_config.hidden_size, text_config.intermediate_size, torch.float32, cpu
             )
 
-        rounds_, _ = rounds.take_turns({"prefill": sample}, repeats, limit)
+        rounds_, _ = rounds.take_turns({"prefill": sample}, repeats, {"gemm": limit})
         flops = prefill_flops(text_config, tokens)
         achieved = [flops / r.samples["prefill"][0] / 1e12 for r in rounds_]
-        pct = rounds.spread([100 * a / r.limit for a, r in zip(achieved, rounds_, strict=True)])
+        pct = rounds.spread([100 * a / r.limits["gemm"] for a, r in zip(achieved, rounds_, strict=True)])
         rows.append(
             {
                 "tokens": tokens,
                 "prefill_ms": rounds.spread([1000 * r.samples["prefill"][0] for r in rounds_]),
                 "tflops": rounds.spread(achieved),
-                "gemm_tflops": rounds.spread([r.limit for r in rounds_]),
+                "gemm_tflops": rounds.spread([r.limits["gemm"] for r in rounds_]),
                 "pct_of_gemm": pct,
                 "noisy": rounds.is_noisy(pct),
             }  # fmt: skip

@@ -2,9 +2,11 @@
 
 On this machine both sides of a ratio drift: the same demollm float32 decode step measured 135 to
 272 ms in one day, and a large read 45 to 80 GB/s within half an hour. So a round measures the
-limit, then one sample of every runner, then the limit again; a ratio (runner / reference, runner /
-limit) is taken within each round, where the drift is shared, and a row reports the median of those
-per-round ratios with their p10-p90 spread. Round 0 warms up (and compiles) and is dropped.
+limit, then one sample of every runner, then the limit again (the round's limit is the mean of the
+two); a ratio (runner / reference, runner / limit) is taken within each round, where the drift is
+shared, and a row reports the median of those per-round ratios with their p10-p90 spread. Round 0
+warms up (and compiles) and is dropped. A limit is measured like the samples it divides: a median
+over as many repeats as a sample has steps, not the best of a few (notes.md, "Noise").
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ Sample = tuple[float, float]  # (decode step s, prefill s)
 @dataclass
 class Round:
     samples: dict[str, Sample] = field(default_factory=dict)
-    limit: float | None = None  # the mean of the limit measured before and after the samples
+    # each limit's mean of the values measured before and after the samples
+    limits: dict[str, float] = field(default_factory=dict)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -44,17 +47,20 @@ def is_noisy(values: dict[str, float]) -> bool:
 
 
 def take_turns(
-    runners: dict[str, Callable[[], Sample]], repeats: int, limit: Callable[[], float] | None = None
+    runners: dict[str, Callable[[], Sample]],
+    repeats: int,
+    limits: dict[str, Callable[[], float]] | None = None,
 ) -> tuple[list[Round], dict[str, str]]:
-    """`repeats` rounds after a warm-up round: the limit (when given), one sample of each runner,
-    the limit again. Returns the rounds and each failed runner's error (a runner that fails is
-    reported, not allowed to hide the others)."""
+    """`repeats` rounds after a warm-up round: each limit, one sample of each runner, each limit
+    again. Returns the rounds and each failed runner's error (a runner that fails is reported, not
+    allowed to hide the others)."""
     from pipeline.errors import short_cause
 
+    limits = limits or {}
     rounds: list[Round] = []
     errors: dict[str, str] = {}
     for number in range(repeats + 1):
-        before = limit() if limit and number else None
+        before = {name: measure() for name, measure in limits.items()} if number else {}
         current = Round()
         for runner, sample in runners.items():
             if runner in errors:
@@ -64,15 +70,22 @@ def take_turns(
             except Exception as exc:  # recorded in the table
                 errors[runner] = short_cause(exc)
         if number:
-            current.limit = (before + limit()) / 2 if limit else None
+            current.limits = {name: (before[name] + measure()) / 2 for name, measure in limits.items()}
             rounds.append(current)
     return rounds, errors
 
 
-def row(rounds: list[Round], runner: str, reference: str | None = None, read_bytes: int = 0) -> dict:
+def row(
+    rounds: list[Round],
+    runner: str,
+    reference: str | None = None,
+    read_bytes: int = 0,
+    limits: dict[str, str] | None = None,
+) -> dict:
     """One runner's row: decode and prefill ms, and per round its ratio to the reference runner
     (`vs_reference`: runner step / reference step) and its read rate as a percent of that
-    round's limit (`pct_of_limit`, when read_bytes and a limit are given); each as a spread."""
+    round's limits (`limits`: figure -> the round's limit, e.g. {"read": "read"} gives
+    `pct_of_read`; with read_bytes); each as a spread."""
     mine = [r for r in rounds if runner in r.samples]
     decode = [r.samples[runner][0] for r in mine]
     result = {
@@ -84,14 +97,17 @@ def row(rounds: list[Round], runner: str, reference: str | None = None, read_byt
         paired = [r for r in mine if reference in r.samples]
         if paired:
             result["vs_reference"] = spread([r.samples[runner][0] / r.samples[reference][0] for r in paired])
-    if read_bytes and all(r.limit for r in mine):
+    if read_bytes:
         result["gbs"] = spread([read_bytes / s / 1e9 for s in decode])
-        result["pct_of_limit"] = spread(
-            [100 * read_bytes / s / 1e9 / r.limit for s, r in zip(decode, mine, strict=True)]
-        )
-    # which of its results spread too wide to stand (the ratio to the reference, the percent of limit)
+        for figure, limit in (limits or {}).items():
+            result[f"pct_of_{figure}"] = spread(
+                [100 * read_bytes / s / 1e9 / r.limits[limit] for s, r in zip(decode, mine, strict=True)]
+            )
+    # which of its results spread too wide to stand (the ratio to the reference, the percents of limits)
     result["noisy_figures"] = [
-        k for k in ("vs_reference", "pct_of_limit") if k in result and is_noisy(result[k])
+        k
+        for k in ("vs_reference", *(f"pct_of_{f}" for f in limits or {}))
+        if k in result and is_noisy(result[k])
     ]
     result["noisy"] = bool(result["noisy_figures"])
     return result

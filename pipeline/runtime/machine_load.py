@@ -11,6 +11,7 @@ thresholds come from the runs in README "Noise".
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -74,9 +75,9 @@ def noise_verdict(other_cores: float, step_ms: list[float]) -> tuple[bool, str]:
     return bool(reasons), "; ".join(reasons)
 
 
-def read_gbs(buffer: torch.Tensor, repeats: int = 3) -> float:
+def read_gbs(buffer: torch.Tensor, repeats: int = 3, pick: Callable[[list[float]], float] = min) -> float:
     """The read bandwidth now: a float32 reduction over `buffer` (already touched), bytes / time,
-    best of repeats (slower repeats are interference, not the machine's limit)."""
+    the time picked from the repeats' (the best by default: slower repeats are interference)."""
     times = []
     for _ in range(repeats):
         sync(buffer.device)
@@ -84,7 +85,7 @@ def read_gbs(buffer: torch.Tensor, repeats: int = 3) -> float:
         buffer.sum()
         sync(buffer.device)
         times.append(time.perf_counter() - start)
-    return buffer.numel() * buffer.element_size() / min(times) / 1e9
+    return buffer.numel() * buffer.element_size() / pick(times) / 1e9
 
 
 def read_limit_gbs(device: torch.device, mib: int = 256) -> float:

@@ -1,0 +1,92 @@
+"""Rounds and the run-to-run comparison on made-up samples: a machine whose speed drifts by 2x
+between rounds leaves a per-round ratio exact, a runner disturbed in one round is flagged NOISY, and
+the comparison of two bench results names the ratio that moved (no timing measured)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pipeline.bench import compare, rounds
+
+
+def drifting_machine(slowdowns: list[float], disturbed: dict[int, float] | None = None):
+    """Runners and a limit on a machine `slowdowns[i]` times slower in round i (round 0 warms up);
+    `disturbed[i]` slows only demollm's sample in round i."""
+    state = {"round": -1, "limit_calls": 0}
+    disturbed = disturbed or {}
+
+    def limit():  # before and after each round's samples, from round 1 on (round 0 warms up)
+        state["limit_calls"] += 1
+        return 100.0 / slowdowns[1 + (state["limit_calls"] - 1) // 2]
+
+    def hf():
+        state["round"] += 1
+        return 0.2 * slowdowns[state["round"]], 1.0
+
+    def demollm():
+        i = state["round"]
+        return 0.1 * slowdowns[i] * disturbed.get(i, 1.0), 1.0
+
+    return {"HF": hf, "demollm": demollm}, {"read": limit}
+
+
+def test_a_drifting_machine_leaves_per_round_ratios_exact():
+    runners, limits = drifting_machine([1.0, 1.0, 2.0, 1.5, 1.0])
+    taken, errors = rounds.take_turns(runners, repeats=4, limits=limits)
+    assert not errors and len(taken) == 4  # the warm-up round is dropped
+    ours = rounds.row(taken, "demollm", "HF", read_bytes=10 * 10**9, limits={"read": "read"})
+    # the step time spreads 2x, the ratio to HF and the percent of the limit do not
+    assert ours["decode_ms"]["p90"] / ours["decode_ms"]["p10"] > 1.5
+    assert ours["vs_reference"]["median"] == pytest.approx(0.5) and ours["vs_reference"][
+        "p90"
+    ] == pytest.approx(0.5)
+    assert ours["pct_of_read"]["median"] == pytest.approx(100.0)
+    assert ours["noisy_figures"] == [] and not ours["noisy"]
+
+
+def test_a_runner_disturbed_in_some_rounds_is_noisy():
+    runners, limits = drifting_machine([1.0] * 6, disturbed={2: 1.8, 3: 1.8})
+    taken, _ = rounds.take_turns(runners, repeats=5, limits=limits)
+    ours = rounds.row(taken, "demollm", "HF", read_bytes=10 * 10**9, limits={"read": "read"})
+    assert ours["noisy"] and set(ours["noisy_figures"]) == {"vs_reference", "pct_of_read"}
+
+
+def test_a_failing_runner_is_reported_not_fatal():
+    runners, limits = drifting_machine([1.0] * 3)
+    runners["broken"] = lambda: 1 / 0
+    taken, errors = rounds.take_turns(runners, repeats=2, limits=limits)
+    assert "division by zero" in errors["broken"] and all("demollm" in r.samples for r in taken)
+
+
+def bench_result(ratio: float, pct: float, step_ms: float, noisy: bool = False) -> dict:
+    spread = lambda v: {"median": v, "p10": v, "p90": v, "n": 5}  # noqa: E731
+    runner = {
+        "runner": "demollm",
+        "vs_reference": spread(ratio),
+        "pct_of_read": spread(pct),
+        "pct_of_gemv": spread(pct),
+        "decode_ms": spread(step_ms),
+        "noisy_figures": ["vs_reference"] if noisy else [],
+    }
+    return {
+        "date": "2026-12-01",
+        "machine_load": {"other_cores": 0.0},
+        "decode": [{"dtype": "float32", "rows": [{"batch": 1, "runners": [runner]}]}],
+        "backends": [],
+        "prefill": {"rows": []},
+    }
+
+
+def test_compare_names_the_ratio_that_moved_not_the_time():
+    earlier = bench_result(0.67, 80.0, 190.0)
+    later = copy.deepcopy(earlier)
+    later["decode"][0]["rows"][0]["runners"][0]["decode_ms"]["median"] = 270.0  # the machine slowed
+    lines, moved = compare.compare(earlier, later, 10.0)
+    assert moved == [] and any("ms/step" in line and "+42.1 %" in line for line in lines)
+    later = bench_result(0.80, 80.0, 190.0)
+    _, moved = compare.compare(earlier, later, 10.0)
+    assert moved == ["decode float32 b1 demollm / HF eager"]
+    _, moved = compare.compare(earlier, bench_result(0.80, 80.0, 190.0, noisy=True), 10.0)
+    assert moved == []  # a figure a run marked NOISY was never a result
