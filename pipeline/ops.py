@@ -186,3 +186,109 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 @fake("onednn_linear")
 def _onednn_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def moe_gathered(
+    x: Tensor,
+    selected: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    transposed: bool,
+    weights_on_input: bool,
+) -> Tensor:
+    """pipeline::moe without reading anything on the host, so CUDA graphs can capture it (the CUDA
+    kernel): while a step has at most E token-expert pairs (decode), each pair's expert weights are
+    gathered and run as one batched GEMV (reads the routed experts, and writes and reads their copy);
+    beyond that (prefill), every expert runs on every token, as Hugging Face does."""
+    tokens, k = selected.shape
+    if tokens * k > gate_up.shape[0]:
+        return moe_reference(x, selected, weights, gate_up, down, transposed, weights_on_input)
+    flat = selected.reshape(-1)  # [T*k]
+    weight = weights.reshape(-1, 1)  # [T*k, 1]
+    h = x.repeat_interleave(k, dim=0)  # [T*k, H]
+    if weights_on_input:
+        h = h * weight.to(x.dtype)
+    w_gate_up, w_down = gate_up[flat], down[flat]  # [T*k, 2I, H] / [T*k, H, 2I], and down's
+    # one row per pair: [T*k, 1, H] @ [T*k, H, 2I], or the nn.Linear layout transposed as a view
+    projected = torch.bmm(h.unsqueeze(1), w_gate_up if transposed else w_gate_up.transpose(1, 2))
+    gate, up = projected.chunk(2, dim=-1)  # [T*k, 1, I] each
+    y = torch.bmm(F.silu(gate) * up, w_down if transposed else w_down.transpose(1, 2)).squeeze(1).float()
+    if not weights_on_input:
+        y = y * weight.float()
+    return y.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # [T, H]
+
+
+@op("moe", cuda=moe_gathered)
+def moe(
+    x: Tensor,
+    selected: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    transposed: bool,
+    weights_on_input: bool,
+) -> Tensor:
+    """The routed experts of a mixture-of-experts layer (gated SiLU MLPs), reading only the experts
+    the tokens were routed to: tokens are grouped by expert id, and each expert hit runs its two
+    GEMMs on its tokens (one row at decode), so a decode step reads k of the E experts' weights.
+
+    x: [T, H]; selected: [T, k] expert ids; weights: [T, k] routing weights in x's dtype;
+    gate_up: [E, 2I, H] (nn.Linear layout) or, `transposed`, [E, H, 2I]; down: [E, H, I] or,
+    `transposed`, [E, I, H]; gate then up on the 2I dim. `weights_on_input`: the expert runs on
+    x * weight (Llama-4), else its output is weighted (Mixtral, Qwen3-MoE). Returns [T, H], the sum
+    over each token's k experts; a router, a shared expert and the residual stay the model's own.
+    The expert ids are read on the host (one sync): CUDA graphs cannot capture this implementation.
+    """
+    tokens, k = selected.shape
+    flat = selected.reshape(-1)  # [T*k], token t's j-th expert at t*k + j
+    order = flat.argsort(stable=True)  # [T*k], grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    out = torch.zeros_like(x, dtype=torch.float32)  # [T, H], summed in float32 as HF's experts do
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = order[start : start + count]  # [n] positions in flat
+        start += count
+        token = rows // k  # [n]
+        weight = weights.reshape(-1)[rows].unsqueeze(-1)  # [n, 1]
+        h = x[token] * weight.to(x.dtype) if weights_on_input else x[token]  # [n, H]
+        y = _expert_mlp(h, gate_up[expert], down[expert], transposed).float()  # [n, H]
+        out.index_add_(0, token, y if weights_on_input else y * weight.float())
+    return out.to(x.dtype)
+
+
+def _expert_mlp(h: Tensor, gate_up: Tensor, down: Tensor, transposed: bool) -> Tensor:
+    """One expert's silu(h Wg) * (h Wu) Wd. h: [n, H]; gate_up: [2I, H] or [H, 2I]; down: [H, I] or [I, H]."""
+    projected = h @ gate_up if transposed else F.linear(h, gate_up)  # [n, 2I]
+    gate, up = projected.chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down if transposed else F.linear(F.silu(gate) * up, down)
+
+
+def moe_reference(
+    x: Tensor,
+    selected: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    transposed: bool,
+    weights_on_input: bool,
+) -> Tensor:
+    """pipeline::moe as Hugging Face's Llama-4 computes it: every expert on every token, with a
+    zero routing weight where the token was not routed, reading all E experts' weights."""
+    experts = gate_up.shape[0]
+    dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)  # [T, E]
+    dense.scatter_(1, selected, weights)
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for expert in range(experts):
+        weight = dense[:, expert : expert + 1]  # [T, 1]
+        h = x * weight.to(x.dtype) if weights_on_input else x
+        y = _expert_mlp(h, gate_up[expert], down[expert], transposed).float()
+        out += y if weights_on_input else y * weight.float()
+    return out.to(x.dtype)
+
+
+@fake("moe")
+def _moe_fake(x, selected, weights, gate_up, down, transposed, weights_on_input):
+    return x.new_empty(x.shape)

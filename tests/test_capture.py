@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, generated_tokens
+from conftest import TINY_MODELS, TINY_MOE, generated_tokens
 from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
@@ -123,7 +123,7 @@ def engine_runtime(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_MOE)
 def test_torch_compile_keeps_tokens(name):
     """The runtime parity test with the captured graph compiled (Inductor, dynamic shapes)."""
     engine, hf_config = _engine(name)

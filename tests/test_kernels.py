@@ -185,7 +185,7 @@ def test_references_on_cuda_swaps_the_kernels_and_back():
     """The bench's A/B: inside, every op with a CUDA kernel takes its reference implementation on CUDA."""
     from pipeline.library import REFERENCES, references_on_cuda
 
-    assert sorted(REFERENCES) == ["add_rms_norm", "attention_plan", "rms_norm", "rope", "silu_and_mul"]
+    assert sorted(REFERENCES) == ["add_rms_norm", "attention_plan", "moe", "rms_norm", "rope", "silu_and_mul"]
     registered = {op: _cuda_kernel_source(op) for op in REFERENCES}
     assert all("pipeline/library.py" in source for source in registered.values()), registered
     with references_on_cuda():

@@ -81,6 +81,76 @@ def test_silu_and_mul_is_the_gated_activation():
     torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, rtol=0, atol=0)
 
 
+def _llama4_moe(dtype):
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = Llama4TextConfig(
+        hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=1
+    )
+    block = Llama4TextMoe(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block.to(dtype)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 24])  # decode batches, and a prefill with every expert hit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_is_llama4s_experts(tokens, dtype):
+    """pipeline::moe on the router's own top-k equals Hugging Face's Llama-4 MoE block (all 8
+    experts on every token, unrouted ones weighted 0) once its shared expert is added."""
+    block = _llama4_moe(dtype)
+    x = torch.randn(tokens, 64, dtype=dtype)
+    with torch.no_grad():
+        expected, router_logits = block(x)
+        scores, _ = block.router(x)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
+        selected = torch.topk(router_logits, 1, dim=1).indices  # [T, 1]
+        weights = scores.gather(1, selected)
+        experts = block.experts
+        args = (x, selected, weights, experts.gate_up_proj, experts.down_proj, True, True)
+        shared = block.shared_expert(x)
+        for routed in (ops.moe(*args), pipeline.ops.moe_gathered(*args), pipeline.ops.moe_reference(*args)):
+            out = shared + routed
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            else:  # HF adds into the shared expert's output in place; same roundings up to GEMM order
+                torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 24])
+def test_moe_is_mixtrals_experts(tokens):
+    """pipeline::moe on Mixtral's router output (top-2 of 8, renormalised) equals its sparse MoE
+    block, the routing weights applied to the experts' outputs."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    block = MixtralSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(tokens, 64)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        _, weights, selected = block.gate(x)
+        args = (x, selected, weights, block.experts.gate_up_proj, block.experts.down_proj, False, False)
+        for out in (ops.moe(*args), pipeline.ops.moe_gathered(*args), pipeline.ops.moe_reference(*args)):
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_reads_only_the_routed_experts():
+    """Experts no token was routed to may hold anything (NaN here): the routed implementations never
+    read them; Hugging Face's all-experts form (the reference) does."""
+    block = _llama4_moe(torch.float32)
+    x = torch.randn(2, 64)
+    selected, weights = torch.tensor([[3], [5]]), torch.rand(2, 1)
+    gate_up, down = block.experts.gate_up_proj.detach().clone(), block.experts.down_proj.detach().clone()
+    unrouted = [e for e in range(8) if e not in (3, 5)]
+    gate_up[unrouted], down[unrouted] = float("nan"), float("nan")
+    args = (x, selected, weights, gate_up, down, True, True)
+    assert torch.isfinite(ops.moe(*args)).all() and torch.isfinite(pipeline.ops.moe_gathered(*args)).all()
+    assert not torch.isfinite(pipeline.ops.moe_reference(*args)).all()
+
+
 @pytest.mark.parametrize(
     ("op", "args"),
     [
@@ -96,8 +166,13 @@ def test_silu_and_mul_is_the_gated_activation():
         (ops.rms_norm.default, (torch.randn(3, 8), torch.randn(8), 1e-5)),
         (ops.add_rms_norm.default, (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), 1e-5)),
         (ops.silu_and_mul.default, (torch.randn(3, 16),)),
+        (
+            ops.moe.default,
+            (torch.randn(3, 8), torch.tensor([[0, 2], [1, 2], [3, 0]]), torch.rand(3, 2))
+            + (torch.randn(4, 32, 8), torch.randn(4, 8, 16), False, False),
+        ),
     ],
-    ids=["attention", "rope", "rope_complex", "rms_norm", "add_rms_norm", "silu_and_mul"],
+    ids=["attention", "rope", "rope_complex", "rms_norm", "add_rms_norm", "silu_and_mul", "moe"],
 )
 def test_fake_kernels_pass_opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -7,6 +7,7 @@ from pipeline.transforms import (  # noqa: F401
     fuse_silu_and_mul,
     insert_cached_attention,
     match_attention,
+    match_moe,
     match_rmsnorm,
     match_rope,
     onednn_linear,

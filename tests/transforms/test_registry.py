@@ -35,7 +35,7 @@ def test_default_transforms_match_every_layer_and_keep_outputs(name):
 
 
 @pytest.mark.parametrize(
-    "transform", ["cleanup", "match_attention", "match_rope", "match_rmsnorm", "fuse_gemms"]
+    "transform", ["cleanup", "match_attention", "match_rope", "match_rmsnorm", "match_moe", "fuse_gemms"]
 )
 @pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama4_scout"])
 def test_each_transform_alone_keeps_outputs(name, transform):
@@ -137,14 +137,15 @@ def test_switches_from_the_command_line():
         "match_attention",
         "match_rope",
         "match_rmsnorm",
+        "match_moe",
         "fuse_add_rmsnorm",
         "fuse_gemms",
         "fuse_silu_and_mul",
         "onednn_linear",
         "insert_cached_attention",
     ]
-    assert not parsed[5].config.enabled
+    assert not parsed[6].config.enabled
     model, _, _ = captured("tiny_magistral")
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, transform_context(), history)
-    assert history.records[5].status == "disabled"
+    assert history.records[6].status == "disabled"

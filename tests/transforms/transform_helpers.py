@@ -13,18 +13,20 @@ from pipeline.transforms import registry
 # first layer's input norm), fused GEMM groups (q/k/v and gate/up per layer), gated activations
 # on a fused gate/up, and a cached attention per layer. Llama-4's second layer has no RoPE, its RoPE
 # layer adds a weightless QK-norm, its gate/up is the shared expert's (with the router's columns),
-# and its routed experts' gate/up (a chunked bmm) is a second gated activation per layer.
+# and its routed experts become one pipeline::moe per layer (their chunked bmm's gated activation
+# goes with them).
 TWO_LAYERS = dict(
     match_attention=2,
     match_rope=4,
     match_rmsnorm=5,
+    match_moe=0,
     fuse_add_rmsnorm=4,
     fuse_gemms=4,
     fuse_silu_and_mul=2,
     insert_cached_attention=2,
 )
 EXPECTED = {name: TWO_LAYERS for name in TINY_MODELS} | {
-    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7, "fuse_silu_and_mul": 4}
+    "tiny_llama4_scout": {**TWO_LAYERS, "match_rope": 2, "match_rmsnorm": 7, "match_moe": 2}
 }
 
 
