@@ -49,26 +49,44 @@ def machine() -> dict[str, str]:
 
 
 def bench_load(name: str, repeats: int, reference: bool) -> dict:
-    """The load stage as the pipeline runs it (random init on the meta-built model), against
-    Hugging Face's own init of the same class."""
+    """The load stage as the pipeline runs it (random init on the meta-built model) and, when
+    `reference`, Hugging Face's own init of the same class, taking turns in rounds (rounds.py; about
+    25 s a Hugging Face sample here): each a spread, the speed-up taken within each round."""
     cpu = torch.device("cpu")
-    ours = []
-    for i in range(repeats):
+    built: dict = {}
+
+    def ours() -> rounds.Sample:
         with tempfile.TemporaryDirectory() as tmp:
-            state = new_state([f"model={name}", f"seed={i}"], torch.float32, cpu, Path(tmp))
+            state = new_state([f"model={name}", "seed=0"], torch.float32, cpu, Path(tmp))
             start = time.perf_counter()
             advance(state, "load")
-            ours.append(time.perf_counter() - start)
-            params, hf_config, model_cls = state.model_info.params, state.hf_config, type(state.model)
+            seconds = time.perf_counter() - start
+            built.update(params=state.model_info.params, hf_config=state.hf_config, cls=type(state.model))
             release(state)
-    row = {"params": params, "ours_s": rounds.spread(ours), "target_s": LOAD_TARGET_S}
-    if reference:
+        gc.collect()
+        return seconds, 0.0
+
+    def hf_init() -> rounds.Sample:
         start = time.perf_counter()
-        model = model_cls._from_config(hf_config)  # Hugging Face's own init, on real memory
-        row["hf_init_s"] = time.perf_counter() - start
-        row["speedup"] = row["hf_init_s"] / row["ours_s"]["median"]
+        model = built["cls"]._from_config(built["hf_config"])  # Hugging Face's own init, on real memory
+        seconds = time.perf_counter() - start
         del model
         gc.collect()
+        return seconds, 0.0
+
+    runners = {"ours": ours, **({"HF init": hf_init} if reference else {})}
+    taken, errors = rounds.take_turns(runners, repeats)
+    if errors:
+        raise RuntimeError(f"load rows failed: {errors}")
+    row = {
+        "params": built["params"],
+        "ours_s": rounds.spread([r.samples["ours"][0] for r in taken]),
+        "target_s": LOAD_TARGET_S,
+    }
+    if reference:
+        row["hf_init_s"] = rounds.spread([r.samples["HF init"][0] for r in taken])
+        # HF init / ours within each round: how many times faster ours is
+        row["speedup"] = rounds.spread([r.samples["HF init"][0] / r.samples["ours"][0] for r in taken])
     return row
 
 
@@ -158,8 +176,14 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         "| step | ours | reference | target | ratio |",
         "|---|---|---|---|---|",
     ]
-    hf = f"{load['hf_init_s']:.1f} s (Hugging Face init)" if "hf_init_s" in load else "not measured"
-    ratio = f"{load['speedup']:.1f}x faster" if "speedup" in load else "-"
+    hf = (
+        f"{_spread_or_value(load['hf_init_s'], 1, ' s')} (Hugging Face init)"
+        if "hf_init_s" in load
+        else "not measured"
+    )
+    speedup = load.get("speedup")
+    per_round = " (per round)" if isinstance(speedup, dict) else ""
+    ratio = f"{_spread_or_value(speedup, 1, 'x')} faster{per_round}" if speedup is not None else "-"
     lines.append(
         f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
         f"< {load['target_s']:.0f} s | {ratio} |"
@@ -182,6 +206,12 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
     if gpu:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
+
+
+def _spread_or_value(value, digits: int, unit: str) -> str:
+    """A spread as `median (p10-p90)`; a plain number (results of runs before the load row took
+    turns) as it is."""
+    return rounds.shown(value, digits, unit) if isinstance(value, dict) else f"{value:.{digits}f}{unit}"
 
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
@@ -242,6 +272,12 @@ def main() -> None:
     parser.add_argument("--model", default="mistral3")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (repeats) after a warm-up")
     parser.add_argument("--no-reference", action="store_true", help="skip Hugging Face's own (slow) init")
+    parser.add_argument(
+        "--load-rounds",
+        type=int,
+        default=3,
+        help="rounds of our load and Hugging Face's init (about 30 s each)",
+    )
     parser.add_argument("--decode-batches", default="1,4")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--decode-dtypes", default="float32,bfloat16")
@@ -308,7 +344,7 @@ def main() -> None:
             "machine": machine(),
             "date": time.strftime("%Y-%m-%d"),
             "model": args.model,
-            "load": bench_load(args.model, args.repeats, not args.no_reference),
+            "load": bench_load(args.model, args.load_rounds, not args.no_reference),
             "export": bench_export(args.model, args.repeats),
             "decode": [
                 in_child(

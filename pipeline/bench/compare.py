@@ -16,11 +16,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.bench import rounds
+
 Figure = tuple[str, str, float, bool]  # (name, kind: "ratio" | "time", median, marked noisy)
 
 
 def figures(results: dict) -> Iterator[Figure]:
     """Every ratio and absolute time of a BENCHMARKS.json, by a name both runs share."""
+    speedup = results.get("load", {}).get("speedup")
+    if isinstance(speedup, dict):  # per round since the load row took turns with Hugging Face's init
+        yield "load: HF init / ours", "ratio", speedup["median"], rounds.is_noisy(speedup)
     for decode in results["decode"]:
         for row in decode["rows"]:
             for runner in row["runners"]:
