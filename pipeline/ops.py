@@ -233,7 +233,7 @@ def moe(
     the tokens were routed to: tokens are grouped by expert id, and each expert hit runs its two
     GEMMs on its tokens (one row at decode), so a decode step reads k of the E experts' weights.
 
-    x: [T, H]; selected: [T, k] expert ids; weights: [T, k] routing weights in x's dtype;
+    x: [T, H]; selected: [T, k] expert ids; weights: [T, k] routing weights (any float dtype);
     gate_up: [E, 2I, H] (nn.Linear layout) or, `transposed`, [E, H, 2I]; down: [E, H, I] or,
     `transposed`, [E, I, H]; gate then up on the 2I dim. `weights_on_input`: the expert runs on
     x * weight (Llama-4), else its output is weighted (Mixtral, Qwen3-MoE). Returns [T, H], the sum

@@ -23,6 +23,7 @@ from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.library import kernels_replaced, references_on_cuda
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
+from pipeline.models.memory import decode_weights
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
@@ -55,8 +56,8 @@ def bench_decode(
             for b in batches
         }
         engine = engine_of(advance(state, "export", "transforms"))
-        weights = [p for _, gm in find_graphs(state.model) for p in gm.parameters()]
-        weights.append(state.model.get_output_embeddings().weight)
+        lm_paths = state.model_info.language_model_paths
+        weights = decode_weights(state.model, lm_paths[0] if lm_paths else "")
         limits = {"read": read.measure}
         limits |= {f"gemv b{b}": WeightPass(weights, b, repeats=steps).measure for b in batches}
         onednn = state.transform_history.matches("onednn_linear") > 0

@@ -69,7 +69,9 @@ class WeightPass:
     is made of more closely than a reduction (pipeline/bench/notes.md, "Noise")."""
 
     def __init__(self, weights: list[torch.Tensor], batch: int, repeats: int = 8):
-        self.weights = _distinct_storages(weights)
+        self.weights = [
+            w.detach() for w in weights if w.dim() == 2
+        ]  # [N, K]; norms (1-D) left out: under 0.1 % of the bytes
         self.bytes = sum(w.numel() * w.element_size() for w in self.weights)
         self.inputs = {
             k: torch.randn(batch, k, dtype=self.weights[0].dtype, device=self.weights[0].device)
@@ -89,16 +91,3 @@ class WeightPass:
                 sync(device)
                 times.append(time.perf_counter() - start)
         return self.bytes / statistics.median(times) / 1e9
-
-
-def _distinct_storages(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The 2-D weights, one per storage (the largest): a fused weight and the row views of it the
-    eager modules keep (fuse_gemms) are read once."""
-    largest: dict[int, torch.Tensor] = {}
-    for weight in weights:
-        if weight.dim() != 2:
-            continue
-        key = weight.untyped_storage().data_ptr()
-        if key not in largest or weight.numel() > largest[key].numel():
-            largest[key] = weight.detach()
-    return list(largest.values())

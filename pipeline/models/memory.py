@@ -22,15 +22,20 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def decode_weight_bytes(model: torch.nn.Module, lm_path: str) -> int:
-    """Weights one decode step reads, on the eager model: the language model's decoder layers and
-    final norm and the lm_head; not the input embedding (a step reads B of its rows) nor a vision
-    tower. A mixture of experts counts every expert (a batch can route to all)."""
+def decode_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
+    """Weights one decode step reads: the language model's decoder layers and final norm and the
+    lm_head; not the input embedding (a step reads B of its rows) nor a vision tower. A mixture of
+    experts counts every expert (a batch can route to all). On the eager model, or once export
+    swapped the language model for its graph (then the graph's, fused weights included)."""
     lm = model.get_submodule(lm_path) if lm_path else model
     embedding = {id(p) for p in model.get_input_embeddings().parameters()}
     params = {id(p): p for p in lm.parameters() if id(p) not in embedding}
     params |= {id(p): p for p in model.get_output_embeddings().parameters()}
-    return sum(p.numel() * p.element_size() for p in params.values())
+    return list(params.values())
+
+
+def decode_weight_bytes(model: torch.nn.Module, lm_path: str) -> int:
+    return sum(p.numel() * p.element_size() for p in decode_weights(model, lm_path))
 
 
 def free_bytes(device: torch.device) -> int:

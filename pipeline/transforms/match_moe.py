@@ -74,20 +74,21 @@ def _gated(act) -> fx.Node | None:
     return chunk.args[0]
 
 
+def _upstream(node: fx.Node, depth: int) -> list[fx.Node]:
+    """The node and its inputs up to `depth` steps back, each once, nearest first."""
+    found, frontier = {node: None}, [node]  # a dict: insertion order, each node once
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in found]
+        found.update(dict.fromkeys(frontier))
+    return list(found)
+
+
 def _topk_indices(scores: fx.Node, depth: int = 8) -> fx.Node | None:
     """The `topk(...)[1]` the dense scores were scattered from (searched upstream), else None."""
-    frontier = [scores]
-    for _ in range(depth):
-        found = [n for n in frontier if is_op(n, aten.scatter_.src, aten.scatter.src)]
-        for scatter in found:
-            index = scatter.args[2]
-            if (
-                is_op(index, operator.getitem)
-                and index.args[1] == 1
-                and is_op(index.args[0], aten.topk.default)
-            ):
-                return index
-        frontier = [a for n in frontier for a in n.all_input_nodes]
+    for scatter in _upstream(scores, depth):
+        index = scatter.args[2] if is_op(scatter, aten.scatter_.src, aten.scatter.src) else None
+        if is_op(index, operator.getitem) and index.args[1] == 1 and is_op(index.args[0], aten.topk.default):
+            return index
     return None
 
 
@@ -224,9 +225,4 @@ def _drop_unread_inverse_permutations(gm: fx.GraphModule) -> None:
 
 def _reads_expert_weights(node: fx.Node, depth: int = 12) -> bool:
     """Whether 3-D weights (stacked experts) feed the node within a few steps."""
-    frontier = [node]
-    for _ in range(depth):
-        if any(_param(n, 3) is not None for n in frontier):
-            return True
-        frontier = [a for n in frontier for a in n.all_input_nodes]
-    return False
+    return any(_param(n, 3) is not None for n in _upstream(node, depth))
