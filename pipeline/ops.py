@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline import kernels
+from pipeline.kernels import cpu_gemv
 from pipeline.library import fake, op
 
 
@@ -188,38 +189,26 @@ def _onednn_linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def moe_gathered(
-    x: Tensor,
-    selected: Tensor,
-    weights: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    transposed: bool,
-    weights_on_input: bool,
-) -> Tensor:
-    """pipeline::moe without reading anything on the host, so CUDA graphs can capture it (the CUDA
-    kernel): while a step has at most E token-expert pairs (decode), each pair's expert weights are
-    gathered and run as one batched GEMV (reads the routed experts, and writes and reads their copy);
-    beyond that (prefill), every expert runs on every token, as Hugging Face does."""
-    tokens, k = selected.shape
-    if tokens * k > gate_up.shape[0]:
-        return moe_reference(x, selected, weights, gate_up, down, transposed, weights_on_input)
-    flat = selected.reshape(-1)  # [T*k]
-    weight = weights.reshape(-1, 1)  # [T*k, 1]
-    h = x.repeat_interleave(k, dim=0)  # [T*k, H]
-    if weights_on_input:
-        h = h * weight.to(x.dtype)
-    w_gate_up, w_down = gate_up[flat], down[flat]  # [T*k, 2I, H] / [T*k, H, 2I], and down's
-    # one row per pair: [T*k, 1, H] @ [T*k, H, 2I], or the nn.Linear layout transposed as a view
-    projected = torch.bmm(h.unsqueeze(1), w_gate_up if transposed else w_gate_up.transpose(1, 2))
-    gate, up = projected.chunk(2, dim=-1)  # [T*k, 1, I] each
-    y = torch.bmm(F.silu(gate) * up, w_down if transposed else w_down.transpose(1, 2)).squeeze(1).float()
-    if not weights_on_input:
-        y = y * weight.float()
-    return y.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # [T, H]
+@op("bf16_linear")
+def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ weight^T + bias for bfloat16 on CPU: a single row (a decode step at batch 1) through the
+    AVX512-BF16 GEMV kernel (kernels/cpu_gemv.py), more rows or other tensors through F.linear.
+
+    x: [..., K]; weight: [N, K]; bias: [N] or None; returns [..., N]. Same result as F.linear up to
+    the float32 summation order.
+    """
+    if not cpu_gemv.applies(x, weight):
+        return F.linear(x, weight, bias)
+    out = cpu_gemv.gemv(x, weight)
+    return out if bias is None else out + bias
 
 
-@op("moe", cuda=moe_gathered)
+@fake("bf16_linear")
+def _bf16_linear_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@op("moe", cuda=kernels.moe)
 def moe(
     x: Tensor,
     selected: Tensor,
@@ -238,7 +227,8 @@ def moe(
     `transposed`, [E, I, H]; gate then up on the 2I dim. `weights_on_input`: the expert runs on
     x * weight (Llama-4), else its output is weighted (Mixtral, Qwen3-MoE). Returns [T, H], the sum
     over each token's k experts; a router, a shared expert and the residual stay the model's own.
-    The expert ids are read on the host (one sync): CUDA graphs cannot capture this implementation.
+    The expert ids are read on the host (one sync), so CUDA graphs cannot capture this
+    implementation; on CUDA the Triton kernel (kernels/triton_moe.py) reads nothing on the host.
     """
     tokens, k = selected.shape
     flat = selected.reshape(-1)  # [T*k], token t's j-th expert at t*k + j
@@ -254,16 +244,33 @@ def moe(
         token = rows // k  # [n]
         weight = weights.reshape(-1)[rows].unsqueeze(-1)  # [n, 1]
         h = x[token] * weight.to(x.dtype) if weights_on_input else x[token]  # [n, H]
-        y = _expert_mlp(h, gate_up[expert], down[expert], transposed).float()  # [n, H]
+        y = _expert_mlp(h, gate_up[expert], down[expert], transposed, _expert_gemv).float()  # [n, H]
         out.index_add_(0, token, y if weights_on_input else y * weight.float())
     return out.to(x.dtype)
 
 
-def _expert_mlp(h: Tensor, gate_up: Tensor, down: Tensor, transposed: bool) -> Tensor:
+def _expert_linear(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
+    """h: [n, K]; weight: [N, K] or, `transposed`, [K, N] -> [n, N]."""
+    return h @ weight if transposed else F.linear(h, weight)
+
+
+def _expert_gemv(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
+    """_expert_linear through the kernels the linear transforms route to, where they apply: an
+    expert in the nn.Linear layout (Mixtral, Qwen3-MoE) runs oneDNN's inner product in float32
+    (F.linear's MKL GEMM reads it at a third of the bandwidth here) and the bfloat16 GEMV kernel
+    for one token; Llama-4's [K, N] experts stay with the matmul."""
+    if not transposed and cpu_gemv.applies(h, weight):
+        return cpu_gemv.gemv(h, weight)
+    if not transposed and h.device.type == "cpu" and h.dtype == weight.dtype == torch.float32 and h.numel():
+        return torch.ops.mkldnn._linear_pointwise(h, weight, None, "none", [], "")
+    return _expert_linear(h, weight, transposed)
+
+
+def _expert_mlp(h: Tensor, gate_up: Tensor, down: Tensor, transposed: bool, linear=_expert_linear) -> Tensor:
     """One expert's silu(h Wg) * (h Wu) Wd. h: [n, H]; gate_up: [2I, H] or [H, 2I]; down: [H, I] or [I, H]."""
-    projected = h @ gate_up if transposed else F.linear(h, gate_up)  # [n, 2I]
+    projected = linear(h, gate_up, transposed)  # [n, 2I]
     gate, up = projected.chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ down if transposed else F.linear(F.silu(gate) * up, down)
+    return linear(F.silu(gate) * up, down, transposed)
 
 
 def moe_reference(
@@ -278,14 +285,17 @@ def moe_reference(
     """pipeline::moe as Hugging Face's Llama-4 computes it: every expert on every token, with a
     zero routing weight where the token was not routed, reading all E experts' weights."""
     experts = gate_up.shape[0]
-    dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)  # [T, E]
-    dense.scatter_(1, selected, weights)
-    out = torch.zeros_like(x, dtype=torch.float32)
+    # functional (no in-place op), so that it can also serve as an Inductor decomposition (measured
+    # as one: backends/compile.py)
+    dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device).scatter(
+        1, selected, weights
+    )
+    out = torch.zeros_like(x, dtype=torch.float32)  # [T, H]
     for expert in range(experts):
         weight = dense[:, expert : expert + 1]  # [T, 1]
         h = x * weight.to(x.dtype) if weights_on_input else x
         y = _expert_mlp(h, gate_up[expert], down[expert], transposed).float()
-        out += y if weights_on_input else y * weight.float()
+        out = out + (y if weights_on_input else y * weight.float())
     return out.to(x.dtype)
 
 

@@ -11,13 +11,14 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, TINY_MOE
 
 import pipeline.attention.common  # noqa: F401  (registers attention_plan)
 from pipeline import kernels
 from pipeline.models import zoo
 from pipeline.ops import (
     add_rms_norm_reference,
+    moe_reference,
     rms_norm_reference,
     rope_reference,
     silu_and_mul_reference,
@@ -141,7 +142,7 @@ def test_ops_run_one_kernel_each_on_cuda():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", [*TINY_MODELS, TINY_MOE[0]])
 def test_kernels_keep_tokens(name):
     """A tiny model's engine as it runs on CUDA (triton attention), with the kernels registered for
     CPU tensors as well, so Triton's interpreter runs them at the models' own shapes and strides
@@ -164,14 +165,56 @@ def test_kernels_keep_tokens(name):
         return run
 
     with torch.library._scoped_library("pipeline", "IMPL") as library:
-        for op in ("rms_norm", "add_rms_norm", "rope", "silu_and_mul", "attention_plan"):
+        for op in ("rms_norm", "add_rms_norm", "rope", "silu_and_mul", "attention_plan", "moe"):
             library.impl(op, counted(op), "CPU")
         assert engine.generate(requests, 5, SamplingParams(), seed=0).tokens == expected
     uses_rope = hf_config.model_type != "llama4"  # Llama-4 rotates complex pairs (rope_complex)
-    assert (
-        calls["rms_norm"] and calls["add_rms_norm"] and calls["silu_and_mul"] and calls["attention_plan"]
-    ), calls
+    assert calls["rms_norm"] and calls["add_rms_norm"] and calls["attention_plan"], calls
     assert bool(calls["rope"]) == uses_rope, calls
+    # Mixtral's experts are all routed (no dense MLP: no gated activation outside the moe kernel)
+    assert bool(calls["silu_and_mul"]) == (hf_config.model_type != "mixtral"), calls
+    assert bool(calls["moe"]) == (hf_config.model_type in ("llama4_text", "llama4", "mixtral")), calls
+
+
+def _moe_args(layout: str, tokens: int, dtype: torch.dtype, generator: torch.Generator) -> tuple:
+    """Random experts (8 of them, H 48, I 40: neither a power of two) in the layout of Llama-4
+    ([E, H, 2I], routing weight on the input, top 1) or Mixtral ([E, 2I, H], on the output, top 2)."""
+    experts, hidden, inter = 8, 48, 40
+    top_k, transposed = (1, True) if layout == "llama4" else (2, False)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    selected = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, generator=generator)
+    gate_up_shape = (experts, hidden, 2 * inter) if transposed else (experts, 2 * inter, hidden)
+    down_shape = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+    gate_up = torch.randn(gate_up_shape, generator=generator).mul(0.2).to(dtype)
+    down = torch.randn(down_shape, generator=generator).mul(0.2).to(dtype)
+    return x, selected, weights, gate_up, down, transposed, layout == "llama4"
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 3, 40])  # decode (one pair a block), prefill (blocks of 64)
+@pytest.mark.parametrize("layout", ["llama4", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_kernel(dtype, layout, tokens):
+    """The Triton moe (grouped GEMMs over pairs sorted by expert, each expert's run padded to a
+    block) equals Hugging Face's all-experts form up to summation order: float32 to 1e-5, float16
+    where an intermediate's rounding may differ by a unit in the last place."""
+    args = _moe_args(layout, tokens, dtype, torch.Generator().manual_seed(tokens))
+    out, expected = kernels.moe(*args), moe_reference(*args)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_moe_kernel_strided_experts():
+    """Experts as views with other strides (Llama-4's checkpoint layout transposed back) and an
+    input with a row stride: the kernel reads through the strides."""
+    x, selected, weights, gate_up, down, _, _ = _moe_args(
+        "llama4", 5, torch.float32, torch.Generator().manual_seed(1)
+    )
+    wide = torch.randn(5, 96)
+    wide[:, :48] = x
+    args = (wide[:, :48], selected, weights, gate_up.transpose(1, 2), down.transpose(1, 2), False, True)
+    torch.testing.assert_close(kernels.moe(*args), moe_reference(*args), rtol=1e-5, atol=1e-5)
 
 
 def _cuda_kernel_source(op: str) -> str:

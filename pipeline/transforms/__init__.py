@@ -1,6 +1,7 @@
 """Graph rewrites. Importing the package registers every transform (see registry.TRANSFORMS)."""
 
 from pipeline.transforms import (  # noqa: F401
+    bf16_gemv,
     cleanup,
     fuse_add_rmsnorm,
     fuse_gemms,

@@ -90,7 +90,7 @@ def parse(transforms_cfg: dict | None) -> list[Transform]:
     transforms = []
     for name, options in (transforms_cfg or {}).items():
         if name not in TRANSFORMS:
-            raise ConfigError(f"transforms.{name} is not a transform; known: {', '.join(TRANSFORMS)}")
+            raise ConfigError(f"transforms.{name} is not a transform; known: {', '.join(sorted(TRANSFORMS))}")
         cls = TRANSFORMS[name]
         try:
             config = OmegaConf.merge(OmegaConf.structured(cls.Config), options or {})

@@ -111,7 +111,10 @@ def test_capture_none_has_no_subgraph_to_transform():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("+transforms.fuse_everything={}", "transforms.fuse_everything is not a transform; known: cleanup"),
+        (
+            "+transforms.fuse_everything={}",
+            "transforms.fuse_everything is not a transform; known: bf16_gemv, cleanup",
+        ),
         ("transforms.fuse_gemms.min_group=abc", "transforms.fuse_gemms"),
         (
             "transforms.match_attention.scope=model",
@@ -142,6 +145,7 @@ def test_switches_from_the_command_line():
         "fuse_gemms",
         "fuse_silu_and_mul",
         "onednn_linear",
+        "bf16_gemv",
         "insert_cached_attention",
     ]
     assert not parsed[6].config.enabled
