@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from pipeline.bench import compare
+from pipeline.kernels import cpu_gemv
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,12 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
             "16",
             "--small-model",
             "tiny_llama3_1_8b",
+            "--small-moe-model",
+            "tiny_qwen3_moe",
+            "--moe-model",
+            "tiny_llama4_scout",
+            "--moe-prompt-len",
+            "8",
             "--prefill-tokens",
             "16,32",
             "--run-repeats",
@@ -64,14 +71,23 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
     assert "| load, random init" in text and "| export of `model.language_model`" in text
-    assert [d["dtype"] for d in results["decode"]] == ["float32", "bfloat16"]
+    assert [(d["model"], d["dtype"]) for d in results["decode"]] == [
+        ("tiny_mistral3", "float32"), ("tiny_mistral3", "bfloat16"), ("tiny_llama4_scout", "bfloat16")
+    ]  # fmt: skip
     for decode in results["decode"]:
         assert [r["batch"] for r in decode["rows"]] == [1, 2] and is_spread(decode["read_limit_gbs"], 2)
-        # float32 also runs demollm with F.linear in place of oneDNN (the onednn_linear transform)
-        runners = ["HF eager", "demollm"] + (["demollm F.linear"] if decode["dtype"] == "float32" else [])
+        # demollm again with F.linear in place of the linear kernels (onednn_linear in float32,
+        # bf16_gemv in bfloat16), the MoE model with Hugging Face's all-experts form in place of the
+        # routed experts
+        kernel = decode["dtype"] == "float32" or not cpu_gemv.unsupported()
+        runners = ["HF eager", "demollm"] + (["demollm F.linear"] if kernel else [])
+        moe = decode["model"] == "tiny_llama4_scout"
+        runners += ["demollm all experts"] if moe else []
         # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.
         for row in decode["rows"]:
             assert is_spread(row["gemv_pass_gbs"], 2)
+            # routed experts only: fewer bytes than every expert (4 experts, top 1, batch <= 2)
+            assert (0 < row["routed_bytes"] < decode["weight_bytes"]) if moe else "routed_bytes" not in row
             assert [r["runner"] for r in row["runners"]] == runners
             hf, *ours = row["runners"]
             for runner in row["runners"]:
@@ -80,15 +96,18 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
                 assert isinstance(runner["noisy"], bool)
             assert all(is_spread(r["vs_reference"], 2) for r in ours) and "vs_reference" not in hf
             assert set(hf["noisy_figures"]) <= {"pct_of_read", "pct_of_gemv"}
-        assert f"## Decode, `model=tiny_mistral3` ({decode['dtype']}, CPU" in text
+        assert f"## Decode, `model={decode['model']}` ({decode['dtype']}, CPU" in text
     # every decode runner's line: median (p10-p90) cells for the step time, the ratio and the percents
     decode_lines = [
         line
         for line in text.splitlines()
-        if any(f"| {r} |" in line for r in ("HF eager", "demollm", "demollm F.linear"))
+        if any(f"| {r} |" in line for r in ("HF eager", "demollm", "demollm F.linear", "demollm all experts"))
     ]
-    assert len(decode_lines) == 10 and all(line.count("(") >= 3 for line in decode_lines)
-    assert [b["model"] for b in results["backends"]] == ["tiny_llama3_1_8b"]
+    assert len(decode_lines) == (20 if not cpu_gemv.unsupported() else 14) and all(
+        line.count("(") >= 3 for line in decode_lines
+    )
+    assert "routed: " in text
+    assert [b["model"] for b in results["backends"]] == ["tiny_llama3_1_8b", "tiny_qwen3_moe"]
     for backends in results["backends"]:
         assert [r["runner"] for r in backends["rows"]] == [
             "HF eager generate",

@@ -72,8 +72,9 @@ def bench_result(ratio: float, pct: float, step_ms: float, noisy: bool = False) 
     }
     return {
         "date": "2026-12-01",
+        "model": "mistral3",
         "machine_load": {"other_cores": 0.0},
-        "decode": [{"dtype": "float32", "rows": [{"batch": 1, "runners": [runner]}]}],
+        "decode": [{"model": "mistral3", "dtype": "float32", "rows": [{"batch": 1, "runners": [runner]}]}],
         "backends": [],
         "prefill": {"rows": []},
     }

@@ -1,9 +1,12 @@
 """`python -m pipeline.bench [--model NAME] [--repeats N] [--no-reference] [--decode-batches 1,4] [--output FILE]`
 
-Rows so far: model load (our meta-device random init against Hugging Face's own init), export of
-the language model, and decode (Hugging Face eager generate against demollm, with achieved
-bandwidth against the measured read bandwidth), for the default `model=mistral3` configuration.
-Medians over repeats; the machine and library versions are printed with the results.
+Rows: model load (our meta-device random init against Hugging Face's own init), export of the
+language model, decode (Hugging Face eager generate against demollm, against the read bandwidth
+and the GEMV pass measured in every round) for the default `model=mistral3` configuration in
+float32 and bfloat16 and for a mixture-of-experts model (`--moe-model`, routed experts against
+all), the per-backend rows of a small dense and a small MoE configuration, the host work per step,
+prefill against the GEMM rate, and whole `make run`s. Ratios per round, medians with p10-p90; the
+machine, its load and the library versions are printed with the results.
 """
 
 from __future__ import annotations
@@ -235,7 +238,7 @@ def plot(results: dict, path: Path) -> None:
     ]
     limits = [
         {
-            "row": f"decode {d['dtype']} b{r['batch']} {runner['runner']}",
+            "row": f"{decode.label(results, d)} b{r['batch']} {runner['runner']}",
             "% of limit": runner["pct_of_gemv"]["median"],
         }
         for d in results["decode"]
@@ -289,6 +292,16 @@ def main() -> None:
     parser.add_argument(
         "--small-model", default="small_mistral", help="overhead-bound model for the per-backend rows"
     )
+    parser.add_argument(
+        "--small-moe-model", default="small_mixtral", help="mixture-of-experts model for the per-backend rows"
+    )
+    parser.add_argument(
+        "--moe-model",
+        default="llama4_scout",
+        help="mixture-of-experts decode rows in bfloat16, routed experts against all ('' for none)",
+    )
+    # Hugging Face's Llama-4 prefill runs all 16 experts on every token: about 7 s for 128 tokens here
+    parser.add_argument("--moe-prompt-len", type=int, default=16)
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -361,7 +374,22 @@ def main() -> None:
                     getattr(torch, d),
                 )  # fmt: skip
                 for d in args.decode_dtypes.split(",")
-            ],
+            ]
+            + (
+                [
+                    in_child(
+                        decode.bench_decode,
+                        args.moe_model,
+                        batches,
+                        args.moe_prompt_len,
+                        args.decode_steps,
+                        args.repeats,
+                        torch.bfloat16,
+                    )
+                ]
+                if args.moe_model
+                else []
+            ),
             # The small configuration only: on this 24 GiB machine the default configuration's HF static
             # cache + torch.compile row (2.9 B float32, Inductor) ran the process out of memory.
             "backends": [
@@ -376,7 +404,7 @@ def main() -> None:
                     CPU_BACKENDS,
                     f_linear=["torch-simple"],
                 )
-                for name in models[:1]
+                for name in (args.small_model, args.small_moe_model)
             ],
             "engine_work": engine_work.bench_engine_work(args.engine_model, batches, ENGINE_WORK_BACKENDS),
             "prefill": prefill.bench_prefill(

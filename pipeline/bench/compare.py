@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.bench import rounds
+from pipeline.bench.decode import label
 
 Figure = tuple[str, str, float, bool]  # (name, kind: "ratio" | "time", median, marked noisy)
 
@@ -29,7 +30,7 @@ def figures(results: dict) -> Iterator[Figure]:
     for decode in results["decode"]:
         for row in decode["rows"]:
             for runner in row["runners"]:
-                name = f"decode {decode['dtype']} b{row['batch']} {runner['runner']}"
+                name = f"{label(results, decode)} b{row['batch']} {runner['runner']}"
                 noisy = set(runner["noisy_figures"])
                 if "vs_reference" in runner:
                     yield (
@@ -39,8 +40,8 @@ def figures(results: dict) -> Iterator[Figure]:
                         "vs_reference" in noisy,
                     )
                 for figure in ("pct_of_read", "pct_of_gemv"):
-                    label = figure.removeprefix("pct_of_")
-                    yield f"{name} % of {label}", "ratio", runner[figure]["median"], figure in noisy
+                    limit = figure.removeprefix("pct_of_")
+                    yield f"{name} % of {limit}", "ratio", runner[figure]["median"], figure in noisy
                 yield f"{name} ms/step", "time", runner["decode_ms"]["median"], False
     for backends in results["backends"]:
         for row in backends["rows"]:
