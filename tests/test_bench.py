@@ -46,6 +46,8 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
             "tiny_llama4_scout",
             "--moe-prompt-len",
             "8",
+            "--moe-batches",
+            "1,2",
             "--prefill-tokens",
             "16,32",
             "--run-repeats",

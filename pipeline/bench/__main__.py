@@ -263,11 +263,13 @@ def plot(results: dict, path: Path) -> None:
 
 def in_child(fn, *args):
     """fn(*args) in a fresh process (spawned: no copy of this one's memory), its result returned;
-    the memory of the model it loads goes back to the machine when it ends."""
+    the memory of the model it loads goes back to the machine when it ends. A child that dies (the
+    kernel's OOM killer) raises BrokenProcessPool here: a multiprocessing.Pool waited forever."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def main() -> None:
@@ -302,6 +304,9 @@ def main() -> None:
     )
     # Hugging Face's Llama-4 prefill runs all 16 experts on every token: about 7 s for 128 tokens here
     parser.add_argument("--moe-prompt-len", type=int, default=16)
+    # Batch 4 of llama4_scout (15.3 GB of bfloat16 weights) ran the process out of memory here (23 GB
+    # resident, killed by the kernel, 2026-12-01), so the MoE rows default to batch 1.
+    parser.add_argument("--moe-batches", default="1")
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -380,7 +385,7 @@ def main() -> None:
                     in_child(
                         decode.bench_decode,
                         args.moe_model,
-                        batches,
+                        [int(b) for b in args.moe_batches.split(",")],
                         args.moe_prompt_len,
                         args.decode_steps,
                         args.repeats,
