@@ -409,8 +409,9 @@ def markdown(result: dict) -> list[str]:
     lines = [
         f"## Decode, `model={result['model']}` ({result['dtype']}, CPU, prompt {result['prompt_len']} tokens)",
         "",
-        f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; in float32 also "
-        f"with F.linear in place of oneDNN's inner product) on the same weights take turns, "
+        f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; also with F.linear "
+        f"in place of the linear kernel the transforms chose: oneDNN's inner product in float32, the "
+        f"bfloat16 GEMV kernel for single bfloat16 rows) on the same weights take turns, "
         f"{result['rounds']} rounds after a warm-up round. Two limits are measured before and after each "
         f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
         f"for the round: the read bandwidth of a 1 GiB float32 reduction "
