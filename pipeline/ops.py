@@ -255,14 +255,15 @@ def _expert_linear(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
 
 
 def _expert_gemv(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
-    """_expert_linear through the kernels the linear transforms route to, where they apply: an
-    expert in the nn.Linear layout (Mixtral, Qwen3-MoE) runs oneDNN's inner product in float32
-    (F.linear's MKL GEMM reads it at a third of the bandwidth here) and the bfloat16 GEMV kernel
-    for one token; Llama-4's [K, N] experts stay with the matmul."""
-    if not transposed and cpu_gemv.applies(h, weight):
-        return cpu_gemv.gemv(h, weight)
-    if not transposed and h.device.type == "cpu" and h.dtype == weight.dtype == torch.float32 and h.numel():
-        return torch.ops.mkldnn._linear_pointwise(h, weight, None, "none", [], "")
+    """_expert_linear through the linear ops the transforms route to: an expert in the nn.Linear
+    layout (Mixtral, Qwen3-MoE) on CPU runs pipeline::onednn_linear in float32 (F.linear's MKL GEMM
+    reads it at a third of the bandwidth here) and pipeline::bf16_linear in bfloat16 (the GEMV
+    kernel for one token); Llama-4's [K, N] experts stay with the matmul."""
+    on_cpu = not transposed and h.device.type == "cpu" and h.dtype == weight.dtype
+    if on_cpu and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        return onednn_linear(h, weight, None)
+    if on_cpu and weight.dtype == torch.bfloat16:
+        return bf16_linear(h, weight, None)
     return _expert_linear(h, weight, transposed)
 
 

@@ -14,8 +14,8 @@ pipeline::moe stays an opaque call (its routed implementation). Measured under t
 token-expert pair's weights into one batched GEMV: for 8 float32 experts of 9.4 MB (small_mixtral)
 the gathered form was faster (0.52 vs 0.71 ms a layer; the step 4.1 vs 5.3 ms), for Llama-4
 Scout's 16 bfloat16 experts of 252 MB slower (25.5 vs 20.2 ms: copying a large expert costs more
-than the host-side grouping), and an all-experts decomposition 2.6x slower than opaque on
-small_mixtral. Choosing per call is not possible: a decomposition that declines (NotImplemented)
+than the host-side grouping), and an all-experts decomposition took 14.0 ms a step on
+small_mixtral where the opaque op then took 6.3 (before its experts ran oneDNN). Choosing per call is not possible: a decomposition that declines (NotImplemented)
 for large experts or prefill leaves Inductor a fallback for the op, and Inductor then refuses the
 decomposition in the next graph of the process ("both a fallback and a decomp for same op"). So
 the op stays opaque, the better choice for the large experts.
