@@ -20,13 +20,14 @@ from pipeline.bench.limits import ReadLimit, WeightPass
 from pipeline.bench.prepare import advance, engine_of, prepared
 from pipeline.devices import dtype_name, sync
 from pipeline.graphs import eager_graphs, find_graphs
-from pipeline.library import REFERENCES, kernels_replaced, references_on_cuda
+from pipeline.library import kernels_replaced, references_on_cuda
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.models.memory import decode_weights
 from pipeline.ops import moe_reference
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
+from pipeline.runtime.routed_bytes import routed_decode_bytes
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.transforms.registry import model_passes_undone
 
@@ -69,7 +70,13 @@ def bench_decode(
         # a linear kernel of the pipeline's own in the graph: demollm again with F.linear in its place
         routed_linears = sum(state.transform_history.matches(t) for t in ("onednn_linear", "bf16_gemv")) > 0
         moe = state.transform_history.matches("match_moe") > 0
-        routed = {b: routed_step_bytes(engine, prompts[b], weight_bytes) for b in batches} if moe else {}
+        routed = {}  # batch -> bytes a step reads with the routed experts only (16 untimed steps)
+        for b in batches if moe else ():
+            routed[b] = routed_decode_bytes(engine, _requests(prompts[b]), 16, weight_bytes, state.device)
+            if routed[b] is None:
+                raise RuntimeError(
+                    f"{name}: no decode step called pipeline::moe, its routing was not counted"
+                )
         runners = {}
         for b in batches:
             runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
@@ -132,31 +139,6 @@ def _all_experts_sample(engine: DemoLLM, prompts: torch.Tensor, steps: int) -> r
         return _demollm_sample(engine, prompts, steps)
 
 
-def routed_step_bytes(engine: DemoLLM, prompts: torch.Tensor, weight_bytes: int) -> float:
-    """Weight bytes a demollm decode step of these prompts reads when each MoE layer reads only the
-    experts its tokens were routed to: `weight_bytes` (every expert) less, per moe call of a decode
-    step, the bytes of the experts none of the step's tokens went to; the mean over the steps of
-    one untimed generation (16 steps) on the registered (routed) implementation."""
-    routed_moe = REFERENCES["moe"]  # the registered CPU implementation
-    batch = prompts.shape[0]
-    unread: list[int] = []  # per decode moe call
-    layers: set[int] = set()
-
-    def counting(x, selected, weights, gate_up, down, transposed, weights_on_input):
-        if x.shape[0] == batch:  # a decode step's tokens (prefill packs batch x prompt tokens)
-            expert_bytes = gate_up[0].nbytes + down[0].nbytes
-            unread.append((gate_up.shape[0] - selected.unique().numel()) * expert_bytes)
-            layers.add(gate_up.data_ptr())
-        return routed_moe(x, selected, weights, gate_up, down, transposed, weights_on_input)
-
-    with kernels_replaced({"moe": counting}, "CPU"):
-        _demollm_sample(engine, prompts, 16)
-    if not unread:
-        raise RuntimeError("routed_step_bytes: no pipeline::moe call at decode")
-    steps = len(unread) / len(layers)
-    return weight_bytes - sum(unread) / steps
-
-
 def _f_linear_sample(engine: DemoLLM, prompts: torch.Tensor, steps: int) -> rounds.Sample:
     """demollm with every pipeline::onednn_linear (graph and eager lm_head) run by F.linear: what
     the linear implementation is worth, on the same weights, in the same rounds."""
@@ -174,9 +156,12 @@ def _hf_eager_sample(state, prompts: torch.Tensor, steps: int) -> rounds.Sample:
 
 def _demollm_sample(engine: DemoLLM, prompts: torch.Tensor, steps: int) -> rounds.Sample:
     """(median decode step, prefill) in seconds of one demollm generation."""
-    requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
-    run = engine.generate(requests, steps + 1, SamplingParams(), seed=0)
+    run = engine.generate(_requests(prompts), steps + 1, SamplingParams(), seed=0)
     return statistics.median(run.decode_step_s), run.prefill_s
+
+
+def _requests(prompts: torch.Tensor) -> list[Request]:
+    return [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
 
 
 class _HFCompiled:

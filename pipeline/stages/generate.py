@@ -10,6 +10,7 @@ from pipeline.runtime import metrics as generation
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile, read_limit_gbs
 from pipeline.runtime.requests import build_requests
+from pipeline.runtime.routed_bytes import routed_decode_bytes
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
 
@@ -38,8 +39,11 @@ def run(state: RunState) -> StageResult:
     tokens_file = state.run_dir / "generation" / "tokens.json"
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
     generation.write_tokens(tokens_file, requests, runs[-1])
-    metrics = generation.generation_metrics(runs, state.model_info.decode_bytes, engine.lookahead)
-    notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up)
+    decode_bytes, bytes_notes = _decode_bytes(state, engine, requests)
+    metrics = generation.generation_metrics(runs, decode_bytes, engine.lookahead)
+    notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
+    if decode_bytes != state.model_info.decode_bytes:
+        metrics["model/decode_routed_bytes"] = decode_bytes
     if state.backend in ("torch-compile", "torch-opt"):
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
@@ -69,6 +73,25 @@ def run(state: RunState) -> StageResult:
             "max_new_tokens": [cfg.prompt.output_len] * len(requests),
         },
     )
+
+
+def _decode_bytes(state: RunState, engine: DemoLLM, requests) -> tuple[float, list[str]]:
+    """The weight bytes a decode step reads, for the run's read rate: every weight of the language
+    model and lm_head, but where match_moe put pipeline::moe in the graph only the routed experts',
+    counted on one more (untimed) generation."""
+    every_expert = state.model_info.decode_bytes
+    if not (state.transform_history and state.transform_history.matches("match_moe")):
+        return every_expert, []
+    routed = routed_decode_bytes(engine, requests, state.cfg.prompt.output_len, every_expert, state.device)
+    if routed is None:
+        return every_expert, [
+            "decode GB/s counts every expert's weights: the decode steps ran in CUDA graphs, whose "
+            "replays do not call pipeline::moe where its routing could be counted"
+        ]
+    return routed, [
+        f"decode GB/s counts the routed experts only: {routed / 1e9:.3f} of {every_expert / 1e9:.3f} GB "
+        "a step (mean over the decode steps of an untimed generation)"
+    ]
 
 
 CACHE_TRANSFORMS = ("match_attention", "insert_cached_attention")
