@@ -2,19 +2,21 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
+# The set CI tests: every package pinned (pip freeze of the venv the suite passed in).
+PINNED := .ci/pinned.txt
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test bench sweep ui lint clean
+.PHONY: setup run test test-latest bench sweep ui lint clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(PINNED)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c $(PINNED) -e ".[dev]"
 	touch $@
 
 run: setup
@@ -23,6 +25,19 @@ run: setup
 # Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute.
 test: setup
 	$(PY) -m pytest -q -n 2 $(ARGS)
+
+# The suite against the newest releases pyproject.toml admits, in a venv of their own: no pinned set,
+# and torch as pip resolves it (a CUDA build of several GB). This machine's pip is capped at torch
+# 2.14.1: `make test-latest PIP_CONFIG_FILE=/dev/null` lifts the cap (and every other pip setting).
+LATEST := .venv-latest
+test-latest:
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	@$(LATEST)/bin/python -c "import torch, transformers, mlflow, hydra; print('testing torch', \
+		torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__, \
+		'hydra-core', hydra.__version__)"
+	$(LATEST)/bin/python -m pytest -q -n 2 $(ARGS)
 
 # A ready example: every capture mode x two CPU backends on a tiny VLM (capture=full fails, by design).
 sweep: setup

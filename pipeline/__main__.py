@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline import sweep
+from pipeline import launchers, sweep
 from pipeline.config import PipelineConfig, register_schemas, resolve_attention, runs_on_cuda, typed, validate
 from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
@@ -64,7 +64,8 @@ def _job_name(hydra_cfg) -> str | None:
     """A sweep's job is named by the values it sweeps, so children read apart in the MLflow UI."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    return sweep.job_name(list(hydra_cfg.overrides.task)) or hydra_cfg.job.override_dirname or None
+    keys = sweep.this_sweep().get("swept", {})
+    return sweep.job_name(list(hydra_cfg.overrides.task), keys) or hydra_cfg.job.override_dirname or None
 
 
 def _record_failure(cfg: DictConfig, exc: BaseException) -> None:
@@ -193,7 +194,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     signal.signal(signal.SIGTERM, _terminated)
     register_schemas()
-    if bad := untrusted_targets(sys.argv[1:]):
+    if bad := untrusted_targets(sys.argv[1:]) or launchers.unshared_tracking(sys.argv[1:]):
         print(f"config error: {bad}", file=sys.stderr)
         sys.exit(2)
     try:

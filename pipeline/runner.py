@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from pipeline.models.zoo import text_config_of
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, profile, report, transforms
 from pipeline.state import RunState, StageRecord, StageResult
-from pipeline.sweep import SUMMARY_FILE, SWEEP_PARENT_ENV
+from pipeline.sweep import SUMMARY_FILE, this_sweep
 from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ class Runner:
         state = self.state
         (state.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tags = self._tags()
-        if parent := os.environ.get(SWEEP_PARENT_ENV):  # a job of a sweep: a child of its parent run
+        if parent := this_sweep().get("parent_run_id"):  # a job of a sweep: a child of its parent run
             tags["mlflow.parentRunId"] = parent
         params = self._params()
         self.tracker.start(self.name, tags, params, run_identity.description(params))

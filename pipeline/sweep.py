@@ -2,21 +2,25 @@
 
 `SweepCallback` is a Hydra callback (conf/config.yaml, hydra.callbacks.sweep). In the launcher
 process, before any job starts, it creates the experiment (and so the SQLite schema) and the
-parent run, and hands the parent's id to the jobs through the environment (inherited by joblib
-workers). Each job writes `summary.json` in its folder (the runner does, or the job function via
-`record_job_failure` when it failed before its runner started), so the comparison reads files and
-lists every job, failed ones with their stage and cause, whatever MLflow saw.
+parent run, and writes the parent's id and the swept keys to `sweep.json` in the sweep folder,
+where every job reads them (`this_sweep`): a file, not the environment, because a job of a cluster
+launcher (submitit on SLURM, Ray) does not inherit the launcher's environment, while the sweep
+folder is shared by construction. Each job writes `summary.json` in its folder (the runner does,
+or the job function via `record_job_failure` when it failed before its runner started), so the
+comparison reads files and lists every job, failed ones with their stage and cause, whatever
+MLflow saw.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import run_identity
@@ -26,8 +30,7 @@ from pipeline.tracking import Tracker
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"  # each job's outcome, written by the runner
-SWEEP_PARENT_ENV = "PIPELINE_SWEEP_PARENT_RUN_ID"  # the parent run's id, for the jobs
-SWEEP_KEYS_ENV = "PIPELINE_SWEEP_KEYS"  # the keys the sweep varies: a job is named by their values
+SWEEP_FILE = "sweep.json"  # in the sweep folder: the parent run's id and the swept keys, for the jobs
 FAILED_JOBS: list[str] = []  # "<job>: <cause>" of the last sweep, for the exit code
 
 
@@ -92,10 +95,18 @@ def job_values(task_overrides: list[str], keys: list[str]) -> dict[str, str]:
     return {k: given[k] for k in keys if k in given}
 
 
-def job_name(task_overrides: list[str]) -> str | None:
+def this_sweep() -> dict[str, Any]:
+    """In a sweep's job, what the launcher wrote to the sweep folder's sweep.json (parent_run_id,
+    swept: key -> values); {} outside a sweep."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return {}
+    path = Path(HydraConfig.get().sweep.dir) / SWEEP_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def job_name(task_overrides: list[str], keys: dict[str, list[str]]) -> str | None:
     """A sweep job's name: its values of the swept keys (run_identity.child_name), e.g.
     `qwen3·partial` for model=tiny_qwen3 in a sweep of model=tiny_qwen3,tiny_gemma2 x capture."""
-    keys = json.loads(os.environ.get(SWEEP_KEYS_ENV) or "{}")
     values = job_values(task_overrides, list(keys))
     return run_identity.child_name(list(values.items()), keys) if values else None
 
@@ -315,17 +326,12 @@ class SweepCallback(Callback):
         # No sampler in the launcher: its thread would not pickle to joblib workers, and the
         # children sample their own machine.
         self.tracker.start(run_identity.parent_name(keys), tags, params, description, system_metrics=False)
-        if self.tracker.run_id:
-            os.environ[SWEEP_PARENT_ENV] = self.tracker.run_id
-        os.environ[SWEEP_KEYS_ENV] = json.dumps(keys)
-        (sweep_dir / "sweep.json").write_text(
+        (sweep_dir / SWEEP_FILE).write_text(
             json.dumps({"parent_run_id": self.tracker.run_id, "overrides": overrides, "swept": keys})
         )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        os.environ.pop(SWEEP_PARENT_ENV, None)
-        os.environ.pop(SWEEP_KEYS_ENV, None)
         keys = swept_keys(list(config.hydra.overrides.task))
         jobs = read_jobs(sweep_dir)
         FAILED_JOBS[:] = [

@@ -29,6 +29,7 @@ LAYERS = [
     ["state"],
     ["correctness"],
     ["report"],
+    ["launchers"],
     ["sweep"],
     ["stages"],
     ["runner"],

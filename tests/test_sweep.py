@@ -129,3 +129,34 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     assert all(
         "latency/decode_ms" in r.data.metrics and "profile/coverage_pct" in r.data.metrics for r in children
     )
+
+
+def test_submitit_local_jobs_in_their_own_processes(tmp_path, tracking_uri):
+    """hydra/launcher=local: hydra-submitit-launcher's local executor, the SLURM launcher's code
+    path (each job a process of its own, the config re-composed there, results sent back pickled)."""
+    proc = run_pipeline(
+        [
+            "-m",
+            "hydra/launcher=local",
+            "model=tiny_mistral3,tiny_llama3_1_8b",
+            "capture=full,partial",
+            "backend=torch-simple",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]  # tiny_mistral3's vision tower cannot be exported
+    assert "sweep: 1 job(s) failed:" in proc.stderr and ": export:" in proc.stderr
+    _, runs = mlflow_runs(tracking_uri)
+    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 1
+    children = _children(runs, parent)
+    status = sorted((r.info.run_name, r.info.status) for r in children)
+    assert [s for _, s in status] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"], status
+    assert status[2][0].startswith("mistral3·full")
+    assert all("latency/decode_ms" in r.data.metrics for r in children if r.info.status == "FINISHED")
+    # each job ran in a process of its own, with submitit's logs beside it
+    assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 4
+    assert (tmp_path / "multirun" / "report" / "sweep.html").exists()

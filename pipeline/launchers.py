@@ -1,0 +1,83 @@
+"""What a sweep's cluster jobs ask the scheduler for (conf/hydra/launcher/*.yaml): the host memory
+of a job from its model's estimate, as the `pipeline.job_mem_gb` resolver, and the checks a
+cluster launcher needs before any job is submitted.
+
+The launcher's settings are resolved once, in the launcher process, for every job of the sweep, so
+the memory is that of the largest model the sweep names (`model=a,b` among its overrides)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import ModelConfig, RuntimeConfig
+from pipeline.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# Python, torch, transformers, MLflow and the profiler beside the weights: a tiny model's CPU run
+# peaked at 0.9 GB resident here (/usr/bin/time, 2026-12-01); a CUDA process's context and kernel
+# images add a few GB more
+PROCESS_GB = 4
+CLUSTER_LAUNCHERS = ("slurm", "submitit_slurm")  # jobs on other machines: the store must be shared
+
+
+def swept_models(root: DictConfig) -> list[str]:
+    """The model names a sweep runs: the values of its `model=` override, else the config's model."""
+    for override in root.hydra.overrides.task:
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+~") == "model":
+            return [v.strip() for v in value.removeprefix("choice(").removesuffix(")").split(",")]
+    return [str(root.model.name)]
+
+
+def model_gb(name: str, runtime: RuntimeConfig, dtype) -> float:
+    """A model's weights at `dtype` and its default KV cache, with the load check's headroom
+    (models/memory.py), from its conf/model file; parameters counted on the meta device."""
+    from pipeline.models import memory, meta, zoo
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError(f"model={name}: no conf/model/{name}.yaml to size the sweep's jobs from")
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+    hf_config = zoo.build_hf_config(model_cfg)
+    skeleton = meta.meta_model(zoo.resolve_model_class(model_cfg, hf_config), hf_config)
+    params = meta.parameter_count(skeleton)
+    return (
+        (params * dtype.itemsize + memory.kv_cache_bytes(hf_config, runtime, dtype)) * memory.HEADROOM / 1e9
+    )
+
+
+def job_mem_gb(*, _root_: DictConfig) -> int:
+    """Host memory a job of this sweep asks for, in GB: the largest swept model in bfloat16 (what a
+    GPU job runs) plus the process itself. On a GPU node the weights go to the device, but a
+    checkpoint passes through host memory on the way."""
+    import torch
+
+    runtime = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RuntimeConfig), _root_.runtime))
+    largest = max(model_gb(name, runtime, torch.bfloat16) for name in swept_models(_root_))
+    return math.ceil(largest) + PROCESS_GB
+
+
+# at import: pipeline.__main__ imports this module, in the launcher process that resolves
+# hydra.launcher and in a submitit job's process (it unpickles __main__'s job function) that
+# re-composes the sweep's config
+OmegaConf.register_new_resolver("pipeline.job_mem_gb", job_mem_gb, replace=True)
+
+
+def unshared_tracking(overrides: list[str]) -> str | None:
+    """Jobs on other machines cannot write the launcher's SQLite file (nor should several hosts
+    share one on a network file system: its locks do not hold there). Read off the command line,
+    before Hydra composes anything: Hydra turns a callback's exception into a warning."""
+    given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in overrides}
+    if given.get("hydra/launcher") not in CLUSTER_LAUNCHERS or given.get("tracking.enabled") == "false":
+        return None
+    uri = given.get("tracking.uri", "")
+    if uri.startswith(("http://", "https://")):
+        return None
+    return (
+        f"tracking.uri={uri or '(the local SQLite store)'} cannot be shared by hydra/launcher="
+        f"{given['hydra/launcher']} jobs on other machines: start `mlflow server` on one host and pass "
+        "tracking.uri=http://<host>:5000"
+    )
