@@ -8,6 +8,7 @@ the memory is that of the largest model the sweep names (`model=a,b` among its o
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -71,7 +72,14 @@ def unshared_tracking(overrides: list[str]) -> str | None:
     share one on a network file system: its locks do not hold there). Read off the command line,
     before Hydra composes anything: Hydra turns a callback's exception into a warning."""
     given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in overrides}
-    if given.get("hydra/launcher") not in CLUSTER_LAUNCHERS or given.get("tracking.enabled") == "false":
+    if given.get("hydra/launcher") not in CLUSTER_LAUNCHERS:
+        return None
+    if shutil.which("sbatch") is None:  # submitit would fail later with a traceback ("srun")
+        return (
+            f"hydra/launcher={given['hydra/launcher']} needs SLURM (no sbatch on PATH here); "
+            "hydra/launcher=local runs the same jobs on this machine"
+        )
+    if given.get("tracking.enabled") == "false":
         return None
     uri = given.get("tracking.uri", "")
     if uri.startswith(("http://", "https://")):

@@ -37,11 +37,21 @@ def test_unswept_model_sizes_the_job():
     assert cfg.hydra.launcher.mem_gb == 1 + launchers.PROCESS_GB
 
 
-def test_slurm_refuses_a_sqlite_store_before_any_job(tmp_path):
+def test_slurm_refuses_a_sqlite_store_before_any_job(monkeypatch):
+    monkeypatch.setattr(launchers.shutil, "which", lambda name: f"/usr/bin/{name}")  # as on a cluster
+    error = launchers.unshared_tracking(["hydra/launcher=slurm", "model=tiny_mistral3"])
+    assert (
+        error.startswith("tracking.uri=(the local SQLite store) cannot be shared")
+        and "mlflow server" in error
+    )
+    assert launchers.unshared_tracking(["hydra/launcher=slurm", "tracking.uri=http://head:5000"]) is None
+    assert launchers.unshared_tracking(["hydra/launcher=local"]) is None
+
+
+def test_slurm_without_slurm_is_a_config_error(tmp_path):
     proc = run_pipeline(
         ["-m", "hydra/launcher=slurm", "model=tiny_mistral3", "capture=none,partial"], tmp_path
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "config error: tracking.uri=(the local SQLite store) cannot be shared" in proc.stderr
-    assert "mlflow server" in proc.stderr
-    assert not list(tmp_path.glob("multirun/*/.submitit"))
+    assert "config error: hydra/launcher=slurm needs SLURM (no sbatch on PATH here)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "multirun").exists()
