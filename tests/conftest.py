@@ -131,6 +131,43 @@ def generated_tokens(run_dir: Path) -> dict[int, list[int]]:
     }
 
 
+def _tree_nodes(node: dict):
+    yield node
+    for child in node["children"]:
+        yield from _tree_nodes(child)
+
+
+def _kernels(node: dict) -> int:
+    """Kernel invocations under a profile tree node, less torch.compile's runtime leaves (guards,
+    wrappers: no module's work)."""
+    from pipeline.profiler.tree import RUNTIME
+
+    return sum(
+        n["invocations"] for n in _tree_nodes(node) if n["kind"] == "kernel" and n["category"] != RUNTIME
+    )
+
+
+# Shares of kernel invocations, not of time: counted, they do not move with the machine's load as
+# the profile's time shares (coverage_pct, layer_coverage_pct) do on a busy 2-core machine.
+def attributed_kernel_pct(model_stats: dict) -> float:
+    """Percent of a profile tree's kernel invocations inside some module."""
+    outside = sum(_kernels(n) for n in model_stats["children"] if n["kind"] == "unattributed")
+    total = _kernels(model_stats)
+    return 100 * (total - outside) / total if total else 0.0
+
+
+def layer_kernel_pct(model_stats: dict) -> float:
+    """Percent of the kernel invocations in a profile tree's layer stacks (the modules holding
+    `layers.N`) that lie inside a layer."""
+    from pipeline.profiler.tree import LAYER
+
+    nodes = list(_tree_nodes(model_stats))
+    layers = [n for n in nodes if n["kind"] == "module" and LAYER.search(n["fqn"])]
+    stack_names = {LAYER.sub("", n["fqn"]) for n in layers}
+    in_stacks = sum(_kernels(n) for n in nodes if n["kind"] == "module" and n["fqn"] in stack_names)
+    return 100 * sum(_kernels(n) for n in layers) / in_stacks if in_stacks else 0.0
+
+
 def mlflow_runs(uri: str, experiment: str = "pipeline"):
     from mlflow.tracking import MlflowClient
 

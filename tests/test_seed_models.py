@@ -10,7 +10,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_FAMILIES, TINY_MODELS, build_tiny, mlflow_runs, run_pipeline
+from conftest import (
+    TINY_FAMILIES,
+    TINY_MODELS,
+    attributed_kernel_pct,
+    build_tiny,
+    layer_kernel_pct,
+    mlflow_runs,
+    run_pipeline,
+)
 
 from pipeline.models import zoo
 
@@ -85,8 +93,11 @@ def test_partial_capture_through_every_stage(name, tmp_path, tracking_uri):
     for phase in ("prefill", "decode_1"):
         fqns = _module_fqns(profile["phases"][phase]["model_stats"])
         assert {f"{prefix}layers.{i}" for i in range(text.num_hidden_layers)} <= fqns, (phase, sorted(fqns))
-    assert metrics["profile/coverage_pct"] > 95
-    assert metrics["profile/layer_coverage_pct"] > 80
+    for phase in ("prefill", "decode_1"):
+        stats = profile["phases"][phase]["model_stats"]
+        # counted, not timed (conftest): 99-100 % and 94-97 % on the tiny models
+        assert attributed_kernel_pct(stats) > 98 and layer_kernel_pct(stats) > 85, phase
+    assert 0 < metrics["profile/layer_coverage_pct"] <= 100 and 0 < metrics["profile/coverage_pct"] <= 100
     assert (run / "report" / "report.html").exists() and (run / "plots" / "module_breakdown.png").exists()
 
 

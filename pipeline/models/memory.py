@@ -56,7 +56,8 @@ def kv_cache_bytes(hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> int
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
 
 
-def _needed(params: int, hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> float:
+def needed_bytes(params: int, hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> float:
+    """Weights at `dtype`, the default KV cache and the headroom: what a load needs free."""
     return (params * dtype.itemsize + kv_cache_bytes(hf_config, runtime, dtype)) * HEADROOM
 
 
@@ -66,8 +67,8 @@ def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[
     if device.type == "cuda":
         return torch.bfloat16, None
     free = free_bytes(device)
-    need = _needed(params, hf_config, runtime, torch.float32)
-    if need <= free or _needed(params, hf_config, runtime, torch.bfloat16) > free:
+    need = needed_bytes(params, hf_config, runtime, torch.float32)
+    if need <= free or needed_bytes(params, hf_config, runtime, torch.bfloat16) > free:
         return torch.float32, None
     return torch.bfloat16, (
         f"dtype=auto chose bfloat16: float32 would need about {need / 1e9:.1f} GB and "
@@ -78,10 +79,10 @@ def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[
 def check_fits(
     params: int, hf_config, runtime: RuntimeConfig, model_name: str, dtype: torch.dtype, device
 ) -> None:
-    need = _needed(params, hf_config, runtime, dtype)
+    need = needed_bytes(params, hf_config, runtime, dtype)
     free = free_bytes(device)
     if need > free:
-        half = _needed(params, hf_config, runtime, torch.bfloat16)
+        half = needed_bytes(params, hf_config, runtime, torch.bfloat16)
         hint = (
             f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
             if dtype.itemsize > 2 and half <= free

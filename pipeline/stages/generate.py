@@ -39,11 +39,12 @@ def run(state: RunState) -> StageResult:
     tokens_file = state.run_dir / "generation" / "tokens.json"
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
     generation.write_tokens(tokens_file, requests, runs[-1])
-    decode_bytes, bytes_notes = _decode_bytes(state, engine, requests)
+    routed_bytes, bytes_notes = _routed_bytes(state, engine, requests)
+    decode_bytes = routed_bytes if routed_bytes is not None else state.model_info.decode_bytes
     metrics = generation.generation_metrics(runs, decode_bytes, engine.lookahead)
     notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
-    if decode_bytes != state.model_info.decode_bytes:
-        metrics["model/decode_routed_bytes"] = decode_bytes
+    if routed_bytes is not None:
+        metrics["model/decode_routed_bytes"] = routed_bytes
     if state.backend in ("torch-compile", "torch-opt"):
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
@@ -75,16 +76,16 @@ def run(state: RunState) -> StageResult:
     )
 
 
-def _decode_bytes(state: RunState, engine: DemoLLM, requests) -> tuple[float, list[str]]:
-    """The weight bytes a decode step reads, for the run's read rate: every weight of the language
-    model and lm_head, but where match_moe put pipeline::moe in the graph only the routed experts',
-    counted on one more (untimed) generation."""
-    every_expert = state.model_info.decode_bytes
+def _routed_bytes(state: RunState, engine: DemoLLM, requests) -> tuple[float | None, list[str]]:
+    """The weight bytes a decode step reads where match_moe put pipeline::moe in the graph: the
+    routed experts' only, counted on one more (untimed) generation. None where every weight of the
+    language model and lm_head counts (no routed experts, or CUDA-graph replays hid the routing)."""
     if not (state.transform_history and state.transform_history.matches("match_moe")):
-        return every_expert, []
+        return None, []
+    every_expert = state.model_info.decode_bytes
     routed = routed_decode_bytes(engine, requests, state.cfg.prompt.output_len, every_expert, state.device)
     if routed is None:
-        return every_expert, [
+        return None, [
             "decode GB/s counts every expert's weights: the decode steps ran in CUDA graphs, whose "
             "replays do not call pipeline::moe where its routing could be counted"
         ]
