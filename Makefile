@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml $(PINNED)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -c $(PINNED) -e ".[dev]"
+	$(PY) -m pip install -q -c $(PINNED) -e ".[dev,ray]"
 	touch $@
 
 run: setup
@@ -33,7 +33,7 @@ LATEST := .venv-latest
 test-latest:
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,ray]"
 	@$(LATEST)/bin/python -c "import torch, transformers, mlflow, hydra; print('testing torch', \
 		torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__, \
 		'hydra-core', hydra.__version__)"

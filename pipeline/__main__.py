@@ -194,7 +194,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     signal.signal(signal.SIGTERM, _terminated)
     register_schemas()
-    if bad := untrusted_targets(sys.argv[1:]) or launchers.unshared_tracking(sys.argv[1:]):
+    if bad := untrusted_targets(sys.argv[1:]) or launchers.cluster_launch_problem(sys.argv[1:]):
         print(f"config error: {bad}", file=sys.stderr)
         sys.exit(2)
     try:

@@ -8,7 +8,9 @@ the memory is that of the largest model the sweep names (`model=a,b` among its o
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +23,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # peaked at 0.9 GB resident here (/usr/bin/time, 2026-12-01); a CUDA process's context and kernel
 # images add a few GB more
 PROCESS_GB = 4
-CLUSTER_LAUNCHERS = ("slurm", "submitit_slurm")  # jobs on other machines: the store must be shared
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
+CLUSTER_LAUNCHERS = (*SLURM_LAUNCHERS, "ray_cluster")  # jobs on other machines: the store must be shared
 
 
 def swept_models(root: DictConfig) -> list[str]:
@@ -45,9 +48,7 @@ def model_gb(name: str, runtime: RuntimeConfig, dtype) -> float:
     hf_config = zoo.build_hf_config(model_cfg)
     skeleton = meta.meta_model(zoo.resolve_model_class(model_cfg, hf_config), hf_config)
     params = meta.parameter_count(skeleton)
-    return (
-        (params * dtype.itemsize + memory.kv_cache_bytes(hf_config, runtime, dtype)) * memory.HEADROOM / 1e9
-    )
+    return memory.needed_bytes(params, hf_config, runtime, dtype) / 1e9
 
 
 def job_mem_gb(*, _root_: DictConfig) -> int:
@@ -61,23 +62,40 @@ def job_mem_gb(*, _root_: DictConfig) -> int:
     return math.ceil(largest) + PROCESS_GB
 
 
+def job_mem_bytes(*, _root_: DictConfig) -> int:
+    """job_mem_gb in bytes: what Ray's `memory` resource counts."""
+    return job_mem_gb(_root_=_root_) * 10**9
+
+
 # at import: pipeline.__main__ imports this module, in the launcher process that resolves
-# hydra.launcher and in a submitit job's process (it unpickles __main__'s job function) that
-# re-composes the sweep's config
+# hydra.launcher and in a job's process (submitit and Ray unpickle __main__'s job function there)
+# that re-composes the sweep's config
 OmegaConf.register_new_resolver("pipeline.job_mem_gb", job_mem_gb, replace=True)
+OmegaConf.register_new_resolver("pipeline.job_mem_bytes", job_mem_bytes, replace=True)
 
 
-def unshared_tracking(overrides: list[str]) -> str | None:
-    """Jobs on other machines cannot write the launcher's SQLite file (nor should several hosts
-    share one on a network file system: its locks do not hold there). Read off the command line,
-    before Hydra composes anything: Hydra turns a callback's exception into a warning."""
+def cluster_launch_problem(overrides: list[str]) -> str | None:
+    """What stops a cluster launcher before any job is submitted, in one line: no scheduler to
+    submit to, or a tracking store the jobs cannot share (jobs on other machines cannot write the
+    launcher's SQLite file, nor should several hosts share one on a network file system: its locks
+    do not hold there). Read off the command line, before Hydra composes anything: Hydra turns a
+    callback's exception into a warning."""
     given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in overrides}
-    if given.get("hydra/launcher") not in CLUSTER_LAUNCHERS:
+    launcher = given.get("hydra/launcher")
+    if launcher not in CLUSTER_LAUNCHERS:
         return None
-    if shutil.which("sbatch") is None:  # submitit would fail later with a traceback ("srun")
+    if launcher in SLURM_LAUNCHERS and shutil.which("sbatch") is None:
+        # submitit would fail later with a traceback ("srun")
         return (
-            f"hydra/launcher={given['hydra/launcher']} needs SLURM (no sbatch on PATH here); "
+            f"hydra/launcher={launcher} needs SLURM (no sbatch on PATH here); "
             "hydra/launcher=local runs the same jobs on this machine"
+        )
+    if launcher == "ray_cluster" and not _ray_cluster_known(given):
+        # ray.init(address="auto") would fail later with a traceback
+        return (
+            "hydra/launcher=ray_cluster needs a running Ray cluster (`ray start --head` here, or its address in "
+            "RAY_ADDRESS or hydra.launcher.ray.init.address=<head>:6379); hydra/launcher=ray_local "
+            "starts one on this machine"
         )
     if given.get("tracking.enabled") == "false":
         return None
@@ -89,3 +107,13 @@ def unshared_tracking(overrides: list[str]) -> str | None:
         f"{given['hydra/launcher']} jobs on other machines: start `mlflow server` on one host and pass "
         "tracking.uri=http://<host>:5000"
     )
+
+
+def _ray_cluster_known(given: dict[str, str]) -> bool:
+    """An address on the command line or in RAY_ADDRESS, or the file `ray start` leaves in Ray's
+    temporary folder for ray.init(address="auto") to find."""
+    if given.get("hydra.launcher.ray.init.address", "auto") not in ("auto", "") or os.environ.get(
+        "RAY_ADDRESS"
+    ):
+        return True
+    return Path(tempfile.gettempdir(), "ray", "ray_current_cluster").exists()

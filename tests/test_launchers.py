@@ -39,13 +39,36 @@ def test_unswept_model_sizes_the_job():
 
 def test_slurm_refuses_a_sqlite_store_before_any_job(monkeypatch):
     monkeypatch.setattr(launchers.shutil, "which", lambda name: f"/usr/bin/{name}")  # as on a cluster
-    error = launchers.unshared_tracking(["hydra/launcher=slurm", "model=tiny_mistral3"])
+    error = launchers.cluster_launch_problem(["hydra/launcher=slurm", "model=tiny_mistral3"])
     assert (
         error.startswith("tracking.uri=(the local SQLite store) cannot be shared")
         and "mlflow server" in error
     )
-    assert launchers.unshared_tracking(["hydra/launcher=slurm", "tracking.uri=http://head:5000"]) is None
-    assert launchers.unshared_tracking(["hydra/launcher=local"]) is None
+    assert launchers.cluster_launch_problem(["hydra/launcher=slurm", "tracking.uri=http://head:5000"]) is None
+    assert launchers.cluster_launch_problem(["hydra/launcher=local"]) is None
+
+
+def test_ray_tasks_ask_for_a_gpu_and_the_same_memory_in_bytes():
+    remote = _launcher("hydra/launcher=ray_cluster", "model=tiny_llama3_1_8b").hydra.launcher.ray.remote
+    assert remote.memory == (1 + launchers.PROCESS_GB) * 10**9
+    assert remote.num_gpus == 1 and remote.max_retries == 0
+
+
+def test_ray_needs_a_running_cluster_and_a_shared_store(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launchers.tempfile, "gettempdir", lambda: str(tmp_path))  # no `ray start` here
+    error = launchers.cluster_launch_problem(["hydra/launcher=ray_cluster", "tracking.uri=http://head:5000"])
+    assert error.startswith("hydra/launcher=ray_cluster needs a running Ray cluster") and "ray_local" in error
+    given = ["hydra/launcher=ray_cluster", "hydra.launcher.ray.init.address=head:6379"]
+    assert "cannot be shared by hydra/launcher=ray_cluster" in launchers.cluster_launch_problem(given)
+    assert launchers.cluster_launch_problem([*given, "tracking.uri=http://head:5000"]) is None
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")  # what `ray start` leaves
+    assert (
+        launchers.cluster_launch_problem(["hydra/launcher=ray_cluster", "tracking.uri=http://head:5000"])
+        is None
+    )
+    assert launchers.cluster_launch_problem(["hydra/launcher=ray_local"]) is None
 
 
 def test_slurm_without_slurm_is_a_config_error(tmp_path):

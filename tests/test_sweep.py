@@ -131,13 +131,15 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     )
 
 
-def test_submitit_local_jobs_in_their_own_processes(tmp_path, tracking_uri):
+@pytest.mark.parametrize("launcher", ["local", "ray_local"])
+def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, tracking_uri):
     """hydra/launcher=local: hydra-submitit-launcher's local executor, the SLURM launcher's code
-    path (each job a process of its own, the config re-composed there, results sent back pickled)."""
+    path; hydra/launcher=ray_local: hydra-ray-launcher on a Ray started here, a Ray cluster's code
+    path. Each job a process of its own, the config re-composed there, results sent back pickled."""
     proc = run_pipeline(
         [
             "-m",
-            "hydra/launcher=local",
+            f"hydra/launcher={launcher}",
             "model=tiny_mistral3,tiny_llama3_1_8b",
             "capture=full,partial",
             "backend=torch-simple",
@@ -157,6 +159,8 @@ def test_submitit_local_jobs_in_their_own_processes(tmp_path, tracking_uri):
     assert [s for _, s in status] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"], status
     assert status[2][0].startswith("mistral3·full")
     assert all("latency/decode_ms" in r.data.metrics for r in children if r.info.status == "FINISHED")
-    # each job ran in a process of its own, with submitit's logs beside it
-    assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 4
+    if launcher == "local":  # each job ran in a process of its own, with submitit's logs beside it
+        assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 4
+    else:  # in Ray's worker processes, which name the task and their pid before every line they pass on
+        assert "(_run_job pid=" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "multirun" / "report" / "sweep.html").exists()
