@@ -309,7 +309,9 @@ def check_runtime(rt: RuntimeConfig) -> None:
         )
     if rt.world_size > 1:
         raise ConfigError(
-            f"runtime.world_size={rt.world_size}: tensor parallelism is not implemented; use runtime.world_size=0"
+            f"runtime.world_size={rt.world_size}: starting tensor-parallel ranks is not implemented yet (the "
+            "shard transform splits a graph inside a torch.distributed process group: README, Tensor "
+            "parallelism); use runtime.world_size=0"
         )
     if rt.world_size < 0:
         raise ConfigError(f"runtime.world_size={rt.world_size} must be 0 (single device) or 1")

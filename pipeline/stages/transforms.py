@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pipeline import correctness
 from pipeline.errors import StageFailure
 from pipeline.graphs import find_graphs
+from pipeline.parallel import tensor_parallel
 from pipeline.state import RunState, StageResult
 from pipeline.transforms import registry
 
@@ -16,7 +17,7 @@ from pipeline.transforms import registry
 def run(state: RunState) -> StageResult:
     transforms = registry.parse(state.cfg.transforms)
     ctx = registry.TransformContext(
-        state.attention, state.cfg.runtime.attn_page_size, state.device, state.hf_config
+        state.attention, state.cfg.runtime.attn_page_size, state.device, state.hf_config, *tensor_parallel()
     )
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()

@@ -12,4 +12,5 @@ from pipeline.transforms import (  # noqa: F401
     match_rmsnorm,
     match_rope,
     onednn_linear,
+    shard,
 )

@@ -45,6 +45,11 @@ class TransformContext:
     page_size: int  # runtime.attn_page_size
     device: torch.device
     hf_config: Any = None  # the whole model's HF config (what its mask function means: models/masks.py)
+    # Tensor parallelism (runtime.world_size): this process's rank and the process group the
+    # shard transform's all-reduces run over (torch.distributed's group name)
+    rank: int = 0
+    world_size: int = 1
+    group_name: str = ""
 
 
 class Transform:
@@ -74,6 +79,11 @@ class Transform:
     def unmatched(self, gm: fx.GraphModule) -> list[str]:
         """After apply_graph: what in the graph looks like this transform's pattern and was not
         rewritten, each with where the pattern stopped (a matcher explains itself); [] for none."""
+        return []
+
+    def matched(self) -> list[str]:
+        """After apply_graph: what each match was, for a transform whose matches differ in kind
+        (shard: the column/row tuples it split); [] where the count says it all."""
         return []
 
 
@@ -129,6 +139,7 @@ class TransformRecord:
     reason: str = ""
     scope: str = ""  # subgraph | model: the pass this record is of
     unmatched: list[str] = field(default_factory=list)  # candidates left, and where each stopped
+    matched: list[str] = field(default_factory=list)  # what each match was, where the transform says
 
 
 @dataclass
@@ -247,6 +258,7 @@ def _apply_one(
     record.nodes_after = _node_count(target)
     if record.status == "applied" and scope == "subgraph":
         record.unmatched = transform.unmatched(target)
+        record.matched = transform.matched()
         if record.unmatched and not record.matches:
             more = f" (and {len(record.unmatched) - 1} more)" if len(record.unmatched) > 1 else ""
             record.reason = f"nothing matched: {record.unmatched[0]}{more}"

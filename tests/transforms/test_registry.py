@@ -141,6 +141,7 @@ def test_switches_from_the_command_line():
         "match_rope",
         "match_rmsnorm",
         "match_moe",
+        "shard",
         "fuse_add_rmsnorm",
         "fuse_gemms",
         "fuse_silu_and_mul",
@@ -148,8 +149,8 @@ def test_switches_from_the_command_line():
         "bf16_gemv",
         "insert_cached_attention",
     ]
-    assert not parsed[6].config.enabled
+    assert not parsed[7].config.enabled  # fuse_gemms
     model, _, _ = captured("tiny_magistral")
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, transform_context(), history)
-    assert history.records[6].status == "disabled"
+    assert history.records[7].status == "disabled"

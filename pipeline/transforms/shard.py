@@ -1,0 +1,309 @@
+"""shard: tensor parallelism on the exported graph, found as TensorRT-LLM's AutoDeploy finds it.
+
+A region is the linears that read one input (q/k/v of an attention; gate/up of an MLP), the head-
+or element-wise ops after them, and the one linear that reads their result (o; down). The opening
+linears split their output rows (column-parallel: each rank computes H/N heads, KV heads with them,
+or I/N of the intermediate), the closing linear its input columns (row-parallel: each rank a partial
+sum over its heads), followed by an all-reduce of the partial sums and the closing bias, once.
+Rank r holds q heads [rH/N, (r+1)H/N) and KV heads [rHkv/N, (r+1)Hkv/N): GQA's contiguous groups
+keep every q head with its KV head. A region whose ops could mix heads (a reduction over the
+hidden size, an expand, anything not on the list below), or whose values escape it (Llama-4's MoE
+adds the router's experts beside its shared expert), stays replicated and is listed, with why, in
+the transform's record.
+
+The all-reduce is torch's functional collective (`_c10d_functional.all_reduce` + `wait_tensor`),
+which Inductor lowers and CUDA graphs capture, over the run's process group (gloo on CPU, NCCL on
+GPU). source: heuristic finds the regions from the graph; tp_plan keeps only regions the model's
+Hugging Face `base_model_tp_plan` marks (opening colwise, closing rowwise).
+
+Runs after match_attention (heads are explicit in pipeline::attention, the repeat_kv expand gone)
+and before fuse_gemms (which then fuses the shards as it fused the whole weights).
+x: [T, K]; opening W_i: [N_i, K] -> [N_i/ws, K]; closing W: [M, N] -> [M, N/ws]; y = all_reduce(.)
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.fx.node import map_arg
+
+from pipeline import ops  # noqa: F401  (registers the canonical ops named below)
+from pipeline.transforms.graph import aten, finish, is_op
+from pipeline.transforms.registry import Transform, TransformConfig, TransformContext, register
+
+SOURCES = ("heuristic", "tp_plan")
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+ATTENTION = torch.ops.pipeline.attention.default
+pipeline_ops = torch.ops.pipeline
+
+# Ops that act on each head (or each element) alone, so they compute on a rank's heads what they
+# computed on all: shape changes, casts, element-wise math, the canonical attention and rope.
+HEADWISE = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+    aten.permute.default, aten.contiguous.default, aten.clone.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.neg.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+    aten.div.Tensor, aten.silu.default, aten.gelu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.relu.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.to.dtype, aten._to_copy.default,
+    aten.type_as.default, aten.alias.default, operator.getitem,
+    pipeline_ops.attention.default, pipeline_ops.rope.default, pipeline_ops.rope_complex.default,
+    pipeline_ops.silu_and_mul.default,
+}  # fmt: skip
+# Ops over the last dim: head-wise only on [B, H, S, D] or [B, S, H, D] values (q_norm, rotate_half)
+LAST_DIM = {aten.mean.dim, aten.slice.Tensor, aten.cat.default, pipeline_ops.rms_norm.default}
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@dataclass
+class ShardConfig(TransformConfig):
+    source: str = "heuristic"  # heuristic | tp_plan: where the column/row tuples come from
+
+
+@dataclass
+class Region:
+    opening: list[fx.Node]  # linears reading one input: column-parallel
+    closing: fx.Node  # the linear reading their result: row-parallel, then an all-reduce
+    inner: list[fx.Node]  # the nodes between, in graph order
+    head_dim: int | None  # of its attention, None for an MLP
+
+    def describe(self) -> str:
+        cols = ", ".join(_weight_name(n) for n in self.opening)
+        return f"colwise [{cols}] -> rowwise {_weight_name(self.closing)} + all_reduce"
+
+
+def is_linear(node) -> bool:
+    return (
+        is_op(node, aten.linear.default)
+        and isinstance(node.args[1], fx.Node)
+        and node.args[1].op == "get_attr"
+    )
+
+
+def _weight_name(linear: fx.Node) -> str:
+    return str(linear.args[1].target)
+
+
+def _ndim(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    return value.dim() if isinstance(value, torch.Tensor) else None
+
+
+def _headwise(node: fx.Node) -> str | None:
+    """None if the node computes per head; else why it may not."""
+    if node.op != "call_function":
+        return f"{node.name} is a {node.op}"
+    if node.target in HEADWISE:
+        return None
+    if node.target in LAST_DIM:
+        # the values it reduces or joins (cat: a list of them; rms_norm: not its [D] weight)
+        first = node.args[0]
+        inputs = [
+            a for a in (first if isinstance(first, list | tuple) else [first]) if isinstance(a, fx.Node)
+        ]
+        dim = node.args[1] if len(node.args) > 1 and node.target != pipeline_ops.rms_norm.default else -1
+        dims = dim if isinstance(dim, list | tuple) else [dim]
+        if inputs and all(_ndim(a) == 4 for a in inputs) and all(d in (-1, 3) for d in dims):
+            return None
+        return f"{node.name} ({node.target}) works over a dim that is not the head dim"
+    return f"{node.name} ({node.target}) is not a head- or element-wise op"
+
+
+def find_region(opening: list[fx.Node]) -> tuple[Region | None, str]:
+    """The region the opening linears start: forward from their outputs to the next linear. (None,
+    why) where it is not one: no single closing linear, values leaving it, an op that mixes heads."""
+    seen: set[fx.Node] = set()
+    closings: list[fx.Node] = []
+    queue = deque(user for n in opening for user in n.users)
+    while queue:
+        node = queue.popleft()
+        if node in seen:
+            continue
+        seen.add(node)
+        if is_linear(node):
+            closings.append(node)
+            continue
+        if node.op == "output":
+            return None, f"{opening[0].name}'s result reaches the graph's output unreduced"
+        if why := _headwise(node):
+            return None, why
+        queue.extend(node.users)
+    if len(closings) != 1:
+        names = ", ".join(c.name for c in closings) or "none"
+        return None, f"{len(closings)} linears read {opening[0].name}'s region ({names}), not one"
+    closing = closings[0]
+    inner = seen - {closing}
+    # Every inner node must feed the closing linear's input; one that does not leaves the region
+    # with a rank's part of a value (Llama-4's router beside its shared expert).
+    feeding, stack = set(), [closing.args[0]]
+    while stack:
+        node = stack.pop()
+        if node in inner and node not in feeding:
+            feeding.add(node)
+            stack.extend(node.all_input_nodes)
+    if escaped := inner - feeding:
+        node = sorted(escaped, key=lambda n: n.name)[0]
+        return None, f"{node.name} leaves {opening[0].name}'s region without passing {closing.name}"
+    if closing.args[0] not in inner:
+        return None, f"{closing.name} does not read the region's result"
+    # An input from another linear would meet a rank's slice with a whole value.
+    for node in inner:
+        if outside := [a for a in node.all_input_nodes if is_linear(a) and a not in opening]:
+            return None, f"{node.name} also reads {outside[0].name}, outside the region"
+    attentions = [n for n in inner if is_op(n, ATTENTION)]
+    head_dim = int(attentions[0].args[0].meta["val"].shape[-1]) if attentions else None
+    order = {n: i for i, n in enumerate(closing.graph.nodes)}
+    return Region(opening, closing, sorted(inner, key=order.__getitem__), head_dim), ""
+
+
+def _plan_kind(plan: dict[str, str], weight: str) -> str | None:
+    """The tp_plan entry ("colwise", "rowwise", ...) of a linear's weight, by its module path:
+    the plan's keys are module patterns with * for a layer index."""
+    module = weight.removesuffix(".weight")
+    for pattern, kind in plan.items():
+        regex = re.escape(pattern).replace(r"\*", r"[^.]+")
+        if re.search(rf"(^|\.){regex}$", module):
+            return kind
+    return None
+
+
+def tp_plan_of(hf_config) -> dict[str, str]:
+    """The language model's Hugging Face tensor-parallel plan ({} when the model has none)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return dict(getattr(text, "base_model_tp_plan", None) or {})
+
+
+@register
+class Shard(Transform):
+    name = "shard"
+    Config = ShardConfig
+
+    def __init__(self, config: ShardConfig):
+        super().__init__(config)
+        self._left: list[str] = []  # regions left replicated, each with why (the record's unmatched)
+        self.sharded: list[str] = []  # the tuples split, for the record
+
+    def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
+        self._left, self.sharded = [], []
+        if ctx.world_size < 2:
+            return 0
+        if self.config.source not in SOURCES:
+            raise ValueError(f"source={self.config.source}: use one of {', '.join(SOURCES)}")
+        plan = tp_plan_of(ctx.hf_config) if self.config.source == "tp_plan" else None
+        if plan is not None and not plan:
+            raise ValueError("the model's config has no base_model_tp_plan: use source=heuristic")
+        groups: dict[fx.Node, list[fx.Node]] = {}
+        for node in gm.graph.nodes:
+            if is_linear(node):
+                groups.setdefault(node.args[0], []).append(node)
+        regions = []
+        for opening in groups.values():
+            region, why = find_region(opening)
+            if region is None:
+                self._left.append(f"[{', '.join(_weight_name(n) for n in opening)}]: {why}")
+                continue
+            if plan is not None:
+                kinds = [_plan_kind(plan, _weight_name(n)) for n in opening]
+                closing_kind = _plan_kind(plan, _weight_name(region.closing))
+                if any(k != "colwise" for k in kinds) or closing_kind != "rowwise":
+                    self._left.append(
+                        f"{region.describe()}: the tp_plan says {kinds} -> {closing_kind}, not colwise -> rowwise"
+                    )
+                    continue
+            if why := self._indivisible(gm, region, ctx.world_size):
+                self._left.append(why)
+                continue
+            regions.append(region)
+        for region in regions:
+            self._shard(gm, region, ctx)
+            self.sharded.append(region.describe())
+        finish(gm)
+        return len(regions)
+
+    def unmatched(self, gm: fx.GraphModule) -> list[str]:
+        return list(self._left)
+
+    def matched(self) -> list[str]:
+        return list(self.sharded)
+
+    @staticmethod
+    def _indivisible(gm: fx.GraphModule, region: Region, world: int) -> str | None:
+        unit = region.head_dim or 1  # split whole heads
+        for linear in region.opening:
+            rows = gm.get_parameter(_weight_name(linear)).shape[0]
+            if rows % (unit * world):
+                what = f"{rows // unit} heads" if region.head_dim else f"{rows} rows"
+                return f"{_weight_name(linear)}: {what} do not divide by world_size {world}"
+        return None
+
+    def _shard(self, gm: fx.GraphModule, region: Region, ctx: TransformContext) -> None:
+        rank, world = ctx.rank, ctx.world_size
+        for linear in region.opening:
+            _slice_parameter(gm, linear.args[1], 0, rank, world)
+            if len(linear.args) > 2 and isinstance(linear.args[2], fx.Node):
+                _slice_parameter(gm, linear.args[2], 0, rank, world)
+        closing = region.closing
+        _slice_parameter(gm, closing.args[1], 1, rank, world)
+        # A reshape that named the head count ([B, S, H, D]) or the heads' width ([B, S, H*D]) in
+        # dim 2 takes the rank's share: -1, or its 1/N beside another -1
+        for node in region.inner:
+            if is_op(node, *RESHAPES) and len(node.args[1]) >= 3 and isinstance(node.args[1][2], int):
+                shape = list(node.args[1])
+                shape[2] = shape[2] // world if -1 in shape else -1
+                node.args = (node.args[0], shape)
+        bias = closing.args[2] if len(closing.args) > 2 else None
+        closing.args = (closing.args[0], closing.args[1])
+        graph = gm.graph
+        with graph.inserting_after(closing):
+            reduced = graph.call_function(ALL_REDUCE, (closing, "sum", ctx.group_name))
+        with graph.inserting_after(reduced):
+            waited = graph.call_function(WAIT, (reduced,))
+        result = waited
+        if isinstance(bias, fx.Node):  # added once, after the sum of the partial products
+            with graph.inserting_after(waited):
+                result = graph.call_function(aten.add.Tensor, (waited, bias))
+        closing.replace_all_uses_with(result, delete_user_cb=lambda user: user is not reduced)
+        for node in (reduced, waited, result):
+            node.meta["nn_module_stack"] = dict(closing.meta.get("nn_module_stack", {}))
+        _propagate(
+            [*region.opening, *region.inner, closing, reduced, waited]
+            + ([result] if result is not waited else [])
+        )
+
+
+def _slice_parameter(gm: fx.GraphModule, get_attr: fx.Node, dim: int, rank: int, world: int) -> None:
+    """The rank's contiguous 1/world of a parameter along dim, as a new parameter of its own (the
+    eager module that shared the whole one keeps it: the correctness reference)."""
+    owner_path, _, leaf = str(get_attr.target).rpartition(".")
+    owner = gm.get_submodule(owner_path)
+    whole = owner._parameters[leaf]
+    size = whole.shape[dim] // world
+    part = whole.narrow(dim, rank * size, size).contiguous().clone()
+    owner._parameters[leaf] = nn.Parameter(part, requires_grad=False)
+    value = get_attr.meta.get("val")
+    if hasattr(value, "fake_mode"):
+        get_attr.meta["val"] = value.fake_mode.from_tensor(part, static_shapes=True)
+
+
+def _propagate(nodes: list[fx.Node]) -> None:
+    """Recompute the shape metadata of the rewritten nodes, in graph order, on fake values: the
+    later transforms (cached attention's KV heads) and the compiler read it."""
+    values = [a.meta.get("val") for n in nodes for a in n.all_input_nodes]
+    mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        return
+    with mode:
+        for node in nodes:
+            args = map_arg(node.args, lambda a: a.meta.get("val"))
+            kwargs = map_arg(node.kwargs, lambda a: a.meta.get("val"))
+            if node.target == aten.linear.default:
+                # x: [..., K], W: [N, K] -> [..., N]; aten.linear on fake values decomposes to a
+                # matmul that calls numel() on symbolic sizes (torch 2.11)
+                x, weight = args[0], args[1]
+                node.meta["val"] = x.new_empty((*x.shape[:-1], weight.shape[0]))
+            else:
+                node.meta["val"] = node.target(*args, **kwargs)
