@@ -27,6 +27,7 @@ import operator
 import re
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import fx, nn
@@ -36,7 +37,6 @@ from pipeline import ops  # noqa: F401  (registers the canonical ops named below
 from pipeline.transforms.graph import aten, finish, is_op
 from pipeline.transforms.registry import Transform, TransformConfig, TransformContext, register
 
-SOURCES = ("heuristic", "tp_plan")
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 ATTENTION = torch.ops.pipeline.attention.default
@@ -59,9 +59,16 @@ LAST_DIM = {aten.mean.dim, aten.slice.Tensor, aten.cat.default, pipeline_ops.rms
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
+class Source(Enum):
+    """Where the column/row tuples come from: found in the graph, or the model's HF tp_plan."""
+
+    heuristic = "heuristic"
+    tp_plan = "tp_plan"
+
+
 @dataclass
 class ShardConfig(TransformConfig):
-    source: str = "heuristic"  # heuristic | tp_plan: where the column/row tuples come from
+    source: Source = Source.heuristic  # an unknown value is a config error when the config is parsed
 
 
 @dataclass
@@ -191,9 +198,7 @@ class Shard(Transform):
         self._left, self.sharded = [], []
         if ctx.world_size < 2:
             return 0
-        if self.config.source not in SOURCES:
-            raise ValueError(f"source={self.config.source}: use one of {', '.join(SOURCES)}")
-        plan = tp_plan_of(ctx.hf_config) if self.config.source == "tp_plan" else None
+        plan = tp_plan_of(ctx.hf_config) if self.config.source is Source.tp_plan else None
         if plan is not None and not plan:
             raise ValueError("the model's config has no base_model_tp_plan: use source=heuristic")
         groups: dict[fx.Node, list[fx.Node]] = {}

@@ -125,6 +125,7 @@ def test_capture_none_has_no_subgraph_to_transform():
         ("transforms.cleanup.scope=[]", "transforms.cleanup.scope= is not a scope"),
         ("+transforms.cleanup.colour=red", "transforms.cleanup"),
         ("+transforms.insert_cached_attention.page_size=64", "transforms.insert_cached_attention"),
+        ("transforms.shard.source=guess", "transforms.shard.source"),
     ],
 )
 def test_bad_transform_config_is_a_config_error(override, message):
