@@ -7,7 +7,7 @@ PINNED := .ci/pinned.txt
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-latest bench sweep ui lint clean
+.PHONY: setup run test test-latest bench bench-tp sweep ui lint clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,12 @@ sweep: setup
 
 bench: setup
 	$(PY) -m pipeline.bench $(ARGS)
+
+# Decode with the language model sharded over 2 gloo ranks against one process (BENCHMARKS.tp.json,
+# shown in BENCHMARKS.md); on GPUs: `$(PY) -m pipeline.bench.tensor_parallel --device cuda --worlds 1,2,4,8`.
+bench-tp: setup
+	$(PY) -m pipeline.bench.tensor_parallel $(ARGS)
+	$(PY) -m pipeline.bench --render
 
 # The embedded store of every run (tracking.uri unset), on 127.0.0.1 only.
 PORT ?= 5000

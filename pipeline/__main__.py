@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline import launchers, sweep
+from pipeline import launchers, ranks, sweep
 from pipeline.config import PipelineConfig, register_schemas, resolve_attention, runs_on_cuda, typed, validate
 from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
@@ -40,7 +40,7 @@ def job(cfg: DictConfig) -> None:
     """One Hydra job. In a single run, errors end the process here with their one line and exit
     code. In a multirun a failed job is recorded (its summary.json) and the sweep goes on to the
     next job and, at the end, to the comparison; the process then exits 1 if any job failed."""
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    multirun = _multirun()
     try:
         _job(cfg)
     except (ConfigError, RunFailed) as exc:
@@ -58,6 +58,10 @@ def job(cfg: DictConfig) -> None:
     finally:
         if multirun:  # sweep jobs share one process (basic launcher): the next job's memory check
             free_memory()  # must see the memory this job's model held
+
+
+def _multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _job_name(hydra_cfg) -> str | None:
@@ -113,6 +117,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
         config, hf_config, Sources(load_tokenizer(folder), checkpoint_image_processor(folder), skeleton)
     )
     check_attention_options(config, hf_config, cuda_available)
+    ranks.check_world(config, hf_config, runs_on_cuda(config, cuda_available), _multirun())
     meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)
     if config.capture.mode == "partial" and not config.capture.submodules and zoo.is_vlm(hf_config):
         meta.check_language_model(skeleton, zoo.text_config_of(hf_config))
@@ -160,7 +165,14 @@ def _job(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
-    Runner(config, run_dir, checked.hf_config, _job_name(hydra_cfg), dtype, overrides).run()
+    name, on_cuda = _job_name(hydra_cfg), device.type == "cuda"
+    if config.runtime.world_size > 1 and ranks.torchrun_world():
+        ranks.run_under_torchrun(config, checked.hf_config, run_dir, name, dtype, overrides, on_cuda)
+    elif config.runtime.world_size > 1:
+        parent_run_id = sweep.this_sweep().get("parent_run_id")
+        ranks.launch(config, checked.hf_config, run_dir, name, dtype, overrides, on_cuda, parent_run_id)
+    else:
+        Runner(config, run_dir, checked.hf_config, name, dtype, overrides).run()
     log.info("run folder: %s", run_dir)
 
 

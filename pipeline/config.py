@@ -56,7 +56,10 @@ class RuntimeConfig:
     max_seq_len: int = 8192
     max_batch_size: int = 8
     max_num_tokens: int = 8192
-    world_size: int = 0
+    world_size: int = 0  # 0 or 1: one process; N > 1: N tensor-parallel ranks (pipeline/ranks.py)
+    # A collective that waits longer fails the run: a peer that hangs never holds the others forever;
+    # long enough for the ranks' differences in load and compile time.
+    collective_timeout_s: int = 300
     kv_cache_mb: int | None = None  # None: pages for max_batch_size sequences of max_seq_len
     lookahead: int = 1  # decode steps the host launches before reading the tokens of earlier ones
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -307,14 +310,11 @@ def check_runtime(rt: RuntimeConfig) -> None:
             f"runtime.sampling: temperature={sampling.temperature} (>= 0), top_k={sampling.top_k} (>= 0), "
             f"top_p={sampling.top_p} (in (0, 1]): fix the one out of range"
         )
-    if rt.world_size > 1:
-        raise ConfigError(
-            f"runtime.world_size={rt.world_size}: starting tensor-parallel ranks is not implemented yet (the "
-            "shard transform splits a graph inside a torch.distributed process group: README, Tensor "
-            "parallelism); use runtime.world_size=0"
-        )
     if rt.world_size < 0:
-        raise ConfigError(f"runtime.world_size={rt.world_size} must be 0 (single device) or 1")
+        raise ConfigError(
+            f"runtime.world_size={rt.world_size}: use 0 (one process) or N > 1 (N tensor-parallel ranks)"
+        )
+    _positive("runtime.collective_timeout_s", rt.collective_timeout_s)
 
 
 def check_prompt(prompt: PromptConfig, rt: RuntimeConfig) -> None:

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import run_identity
+from pipeline import parallel, run_identity
 from pipeline.config import PipelineConfig, resolve_attention, resolve_backend
 from pipeline.devices import dtype_name, resolve_device, resolve_dtype
 from pipeline.errors import RunFailed, short_cause
 from pipeline.faults import maybe_pause
 from pipeline.models.zoo import text_config_of
+from pipeline.parallel import Rank
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, profile, report, transforms
 from pipeline.state import RunState, StageRecord, StageResult
@@ -53,11 +54,18 @@ class Runner:
         name: str | None = None,
         dtype: torch.dtype | None = None,
         overrides: list[str] | None = None,
+        rank: Rank | None = None,
+        parent_run_id: str | None = None,
     ):
         """name: the MLflow run name (a sweep passes its swept values); default from the config.
         dtype: as resolved before loading (dtype=auto may pick bfloat16 to fit); default from cfg.
-        overrides: the command line's, logged as a param."""
+        overrides: the command line's, logged as a param.
+        rank: this process's place among tensor-parallel ranks (pipeline/ranks.py): rank 0 keeps
+        the MLflow run, the others only their folder. parent_run_id: the sweep's MLflow run;
+        default: the one Hydra's sweep callback opened (a spawned rank has no Hydra)."""
         device = resolve_device(cfg.device)
+        if rank is not None:
+            device = rank.device(device)
         self.state = RunState(
             cfg=cfg,
             run_dir=run_dir,
@@ -66,10 +74,14 @@ class Runner:
             backend=resolve_backend(cfg, device.type == "cuda"),
             attention=resolve_attention(cfg.attention.name, device.type == "cuda"),
             hf_config=hf_config,
+            rank=rank,
         )
         self.name = name or run_identity.run_name(cfg, self.state.backend)
         self.overrides = overrides or []
-        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, cfg.tracking.enabled)
+        self.rank = rank
+        self.parent_run_id = parent_run_id if rank is not None else this_sweep().get("parent_run_id")
+        tracked = cfg.tracking.enabled and (rank is None or rank.rank == 0)
+        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, tracked)
 
     def _tags(self) -> dict[str, str]:
         cfg, state = self.state.cfg, self.state
@@ -99,7 +111,7 @@ class Runner:
         state = self.state
         (state.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tags = self._tags()
-        if parent := this_sweep().get("parent_run_id"):  # a job of a sweep: a child of its parent run
+        if parent := self.parent_run_id:  # a job of a sweep: a child of its parent run
             tags["mlflow.parentRunId"] = parent
         params = self._params()
         self.tracker.start(self.name, tags, params, run_identity.description(params))
@@ -109,10 +121,13 @@ class Runner:
         for name, stage in STAGES:
             log.info("[%s] ...", name)
             t0, started_ns = time.perf_counter(), time.time_ns()
+            if self.rank is not None:
+                parallel.write_progress(self.rank, name, self.tracker.run_id)
             try:
                 maybe_pause(name)
                 result = stage(state)
             except KeyboardInterrupt:
+                self._ending()
                 log.error(
                     "[%s] interrupted after %.1f s; the run is marked KILLED", name, time.perf_counter() - t0
                 )
@@ -124,6 +139,7 @@ class Runner:
                 self._fail(name, "interrupted", status="KILLED")
                 raise
             except Exception as exc:
+                self._ending()
                 cause = short_cause(exc)
                 (state.run_dir / "logs" / f"{name}_traceback.txt").write_text(traceback.format_exc())
                 log.error("[%s] FAILED after %.1f s: %s", name, time.perf_counter() - t0, cause)
@@ -142,7 +158,9 @@ class Runner:
             log.info("[%s] done in %.1f s", name, seconds)
             self._log_result(metrics, result)
         self.tracker.log_metrics({"stage/total_s": time.perf_counter() - start})
-        for line in headline(state, state.run_dir / "report" / "report.html"):
+        self._log_other_ranks()
+        report_page = state.run_dir / "report" / "report.html"
+        for line in headline(state, report_page if report_page.exists() else None):
             log.info("summary: %s", line)
         self._log_job_log()
         self._log_stage_spans()
@@ -183,6 +201,19 @@ class Runner:
         ]
         self.tracker.log_spans(f"pipeline {self.name}", spans)
 
+    def _ending(self) -> None:
+        """A rank's run is ending badly: its record is written before any later signal is seen."""
+        if self.rank is not None:
+            parallel.stop_signals()
+
+    def _log_other_ranks(self) -> None:
+        """Rank 0's MLflow run holds every rank's folder (`rank<k>/`) and traces (traces/<phase>/
+        rank<k>.json, written once the ranks met): one run per job."""
+        if self.rank is not None and self.rank.rank == 0:
+            for other in range(1, self.rank.world):
+                self.tracker.log_artifact(parallel.rank_dir(self.state.run_dir, other))
+            self.tracker.log_artifact(self.state.run_dir / "traces")
+
     def _fail(self, stage: str, cause: str, status: str) -> None:
         self.tracker.set_tags({"failed_stage": stage, "error": cause})
         written = report.write_for_failure(self.state)
@@ -191,6 +222,7 @@ class Runner:
             self.tracker.log_artifact(self.state.run_dir / folder)
         for path in written:
             self.tracker.log_artifact(path)
+        self._log_other_ranks()
         report_page = self.state.run_dir / "report" / "report.html" if written else None
         for line in headline(self.state, report_page):
             log.info("summary: %s", line)

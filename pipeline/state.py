@@ -11,6 +11,7 @@ import torch
 from pipeline.config import PipelineConfig
 from pipeline.export.graph_capture import CapturedGraph
 from pipeline.models.inputs import ExampleInputs
+from pipeline.parallel import Rank
 from pipeline.transforms.registry import TransformHistory
 
 if TYPE_CHECKING:  # the modules that fill these fields import this one
@@ -96,4 +97,5 @@ class RunState:
     engine: DemoLLM | None = None  # built by generate, reused by profile
     generation: Generation | None = None  # of the last generate run
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
+    rank: Rank | None = None  # among tensor-parallel ranks (runtime.world_size > 1); None: one process
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)

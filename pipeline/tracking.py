@@ -213,6 +213,19 @@ class Tracker:
         if system_metrics:
             self._start_system_metrics()
 
+    def resume(self, run_id: str) -> None:
+        """Takes up a run another process opened (the supervisor of tensor-parallel ranks closing
+        rank 0's run): tags, artifacts and the final status go to it."""
+        if not self.enabled:
+            return
+        try:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.uri)
+            self.run_id = self.client.get_run(run_id).info.run_id
+        except Exception as exc:
+            self._offline(f"reopening run {run_id}", exc)
+
     def _unique(self, experiment_id: str, name: str) -> str:
         from pipeline.run_identity import unique
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,6 +120,29 @@ def run_pipeline(
         timeout=timeout,
         cwd=REPO_ROOT,
         env=env,
+    )
+
+
+def signals_as_in_a_terminal() -> None:
+    """A subprocess's preexec_fn: SIGINT and SIGTERM at their defaults. A shell running a background
+    job (`make test &`) starts it with SIGINT ignored, children inherit that, and Python then never
+    installs its Ctrl-C handler: the interrupt a test sends would be dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def start_paused(stage: str, args: list[str], run_dir: Path) -> subprocess.Popen:
+    """`python -m pipeline ARGS` held at the start of `stage` (PIPELINE_PAUSE_AT), its signals as
+    in a terminal, so a test can interrupt or kill it there."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args, f"hydra.run.dir={run_dir}"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PIPELINE_PAUSE_AT": stage, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=signals_as_in_a_terminal,
     )
 
 

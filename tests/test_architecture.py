@@ -33,6 +33,7 @@ LAYERS = [
     ["sweep"],
     ["stages"],
     ["runner"],
+    ["ranks"],
     ["__main__", "bench", "tools"],
 ]
 LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}

@@ -93,7 +93,7 @@ BAD_OVERRIDES = {
         "runtime.max_num_tokens=4 is less than runtime.max_batch_size=8",
     ),
     "page multiple": (["runtime.attn_page_size=48"], "not a multiple of runtime.attn_page_size"),
-    "world size": (["runtime.world_size=2"], "runtime.world_size=2"),
+    "world size": (["runtime.world_size=-1"], "runtime.world_size=-1"),
     "unknown dtype": (["dtype=float64"], "dtype=float64"),
     "negative batch": (["prompt.batch_size=-1"], "prompt.batch_size=-1"),
     "cudagraph without capture": (["capture=none", "backend=torch-cudagraph", "device=auto"], "backend="),
@@ -149,7 +149,7 @@ CLI_CASES = {
         "raise runtime.max_num_tokens",
     ),
     "page multiple": (["runtime.max_seq_len=8100"], "runtime.max_seq_len=8100", "attn_page_size"),
-    "world size": (["runtime.world_size=4"], "runtime.world_size=4", "runtime.world_size=0"),
+    "world size": (["runtime.world_size=4"], "runtime.world_size=4", "num_key_value_heads=2"),
 }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
-from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds
+from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, tensor_parallel
 from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.export import graph_capture
 from pipeline.runtime.machine_load import MachineLoad
@@ -204,6 +204,8 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
     lines += ["", *pipeline_run.markdown(results["run"])]
     if results.get("plot"):
         lines += ["", f"![benchmarks]({results['plot']})"]
+    if tensor_parallel.RESULTS.exists():  # `make bench-tp`, a run of its own
+        lines += ["", tensor_parallel.markdown(json.loads(tensor_parallel.RESULTS.read_text())).strip()]
     if NOTES.exists():  # the analysis of these rows: what was fixed, what limits the rest
         lines += ["", NOTES.read_text().strip()]
     if gpu:

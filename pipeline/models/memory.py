@@ -10,6 +10,7 @@ import torch
 
 from pipeline.config import RuntimeConfig
 from pipeline.errors import ConfigError
+from pipeline.graphs import eager_graphs
 
 HEADROOM = 1.1  # activations, the transient copy when GEMMs are fused, allocator slack
 
@@ -26,11 +27,14 @@ def decode_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
     """Weights one decode step reads: the language model's decoder layers and final norm and the
     lm_head; not the input embedding (a step reads B of its rows) nor a vision tower. A mixture of
     experts counts every expert (a batch can route to all). On the eager model, or once export
-    swapped the language model for its graph (then the graph's, fused weights included)."""
+    swapped the language model for its graph: then the graph's (fused weights included, and on a
+    tensor-parallel rank its shards)."""
+    with eager_graphs(model) as eager:  # Hugging Face's accessors walk into the eager modules
+        embedding = {id(p) for p in eager.get_input_embeddings().parameters()}
+        head = list(eager.get_output_embeddings().parameters())
     lm = model.get_submodule(lm_path) if lm_path else model
-    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
     params = {id(p): p for p in lm.parameters() if id(p) not in embedding}
-    params |= {id(p): p for p in model.get_output_embeddings().parameters()}
+    params |= {id(p): p for p in head}
     return list(params.values())
 
 

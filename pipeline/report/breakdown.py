@@ -4,6 +4,7 @@ kernel category and per kernel, for each phase shown (prefill, decode_1, decode 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 PHASES = ("prefill", "decode_1", "decode")
@@ -18,15 +19,19 @@ def _has_layers(node: dict[str, Any]) -> bool:
     return bool(LAYER.search(node["fqn"])) or any(_has_layers(c) for c in _modules_below(node))
 
 
-def module_buckets(summary: dict[str, Any], depth: int | None = None) -> dict[str, float]:
+def module_buckets(
+    summary: dict[str, Any], depth: int | None = None, value: Callable[[dict[str, Any]], float] | None = None
+) -> dict[str, float]:
     """Disjoint parts of a phase's device time (us), by summary-tree module.
 
     Default: the children of the decoder layers (`layers.*.self_attn`, `layers.*.mlp`, the norms)
     and, outside the layers, the largest modules that hold no layers (lm_head, vision tower,
     projector, embedding, demollm's own steps); time a container spends itself is `<fqn> (self)`.
     With `depth`, the module nodes at that depth below the phase instead (shallower leaves as is).
+    value: what is summed per node instead of its device time (one kernel category's time).
     """
     buckets: dict[str, float] = {}
+    us = value or (lambda node: node["device_time_us"])
 
     def add(name: str, us: float) -> None:
         if us > 0:
@@ -40,19 +45,16 @@ def module_buckets(summary: dict[str, Any], depth: int | None = None) -> dict[st
             stop = not below or (not _has_layers(node) and not LAYER.search(node["fqn"]))
             if LAYER.search(node["fqn"]):  # a layer: its children are the buckets
                 for child in below:
-                    add(child["fqn"] or child["name"], child["device_time_us"])
-                add(f"{node['fqn']} (self)", node["device_time_us"] - sum(c["device_time_us"] for c in below))
+                    add(child["fqn"] or child["name"], us(child))
+                add(f"{node['fqn']} (self)", us(node) - sum(us(c) for c in below))
                 return
         if stop and level > 0:
-            add(node["fqn"] or node["name"], node["device_time_us"])
+            add(node["fqn"] or node["name"], us(node))
             return
         for child in below:
             visit(child, level + 1)
         if level > 0:
-            add(
-                f"{node['fqn'] or node['name']} (self)",
-                node["device_time_us"] - sum(c["device_time_us"] for c in below),
-            )
+            add(f"{node['fqn'] or node['name']} (self)", us(node) - sum(us(c) for c in below))
 
     visit(summary, 0)
     return buckets
@@ -68,6 +70,14 @@ def kernel_times(tree: dict[str, Any], key: str) -> dict[str, float]:
             totals[node[key] or "other"] = totals.get(node[key] or "other", 0.0) + node["device_time_us"]
         stack.extend(node["children"])
     return totals
+
+
+def category_pct(phases: dict[str, dict[str, Any]], category: str) -> float:
+    """The share (%) of one kernel category in the device time of all step windows together."""
+    steps = [e for name, e in phases.items() if name != "decode"]
+    total = sum(e["device_time_us"] for e in steps)
+    part = sum(kernel_times(e["summary_stats"], "category").get(category, 0.0) for e in steps)
+    return 100 * part / total if total else 0.0
 
 
 def top_k(values: dict[str, float], k: int) -> dict[str, float]:

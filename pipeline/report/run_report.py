@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.models.memory import human_count
 from pipeline.profiler.tables import phase_table
 from pipeline.report.document import Image, Pre, Section, Table, write
+from pipeline.report.ranks import rank_metrics, rank_profiles, rank_table
 from pipeline.state import RunState
 
 HEADLINE = (
@@ -251,6 +252,28 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
     return section
 
 
+def _ranks_section(state: RunState) -> Section:
+    """Every rank's profile side by side: time per layer part and the communication inside it."""
+    section = Section(f"Tensor-parallel ranks ({state.rank.world})")
+    profiles = rank_profiles(state.run_dir, state.rank.world)
+    missing = [str(rank) for rank, profile in profiles.items() if profile is None]
+    if missing:
+        section.blocks.append(
+            f"No profile from rank {', '.join(missing)} (not profiled, or it failed first)."
+        )
+    shares = [
+        f"rank {key.removeprefix('ranks/rank').removesuffix('_comm_pct')} {value:.1f} %"
+        for key, value in rank_metrics(profiles).items()
+        if key.endswith("_comm_pct")
+    ]
+    section.blocks.append(f"Communication's share of the profiled steps' time: {', '.join(shares)}.")
+    for phase in ("prefill", "decode"):
+        header, rows = rank_table(profiles, phase)
+        if rows:
+            section.blocks.append(Table(header, rows))
+    return section
+
+
 def sections(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> list[Section]:
     metrics = metrics_of(state)
     summary = Section("Summary", headline(state))
@@ -264,6 +287,7 @@ def sections(state: RunState, plots: dict[str, Path], plot_notes: list[str]) -> 
         _correctness_section(state),
         _performance_section(metrics),
         _profile_section(state, plots, plot_notes),
+        *([_ranks_section(state)] if state.rank is not None and state.rank.rank == 0 else []),
     ]
 
 

@@ -31,26 +31,47 @@ def _busy_s() -> float:
     return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def _own_s() -> float:
-    t = psutil.Process().cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+def _own_s(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            t = process.cpu_times()
+        except psutil.Error:  # a peer that ended meanwhile
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def _job_processes(peers: bool) -> list[psutil.Process]:
+    """This process and, with peers (tensor-parallel ranks), its siblings: the other ranks its
+    launcher started are the job's own work, not other processes."""
+    me = psutil.Process()
+    if not peers:
+        return [me]
+    try:
+        return [me, *(p for p in me.parent().children() if p.pid != me.pid)]
+    except (psutil.Error, AttributeError):  # no parent to ask
+        return [me]
 
 
 @dataclass
 class MachineLoad:
-    """with MachineLoad() as load: ...; then load.other_cores."""
+    """with MachineLoad() as load: ...; then load.other_cores. peers: this process is one of a
+    job's tensor-parallel ranks, whose sibling processes count as its own."""
 
+    peers: bool = False
     wall_s: float = 0.0
     other_cores: float = 0.0
 
     def __enter__(self) -> MachineLoad:
-        self._start = (time.perf_counter(), _busy_s(), _own_s())
+        self._processes = _job_processes(self.peers)
+        self._start = (time.perf_counter(), _busy_s(), _own_s(self._processes))
         return self
 
     def __exit__(self, *exc) -> None:
         wall0, busy0, own0 = self._start
         self.wall_s = time.perf_counter() - wall0
-        others = (_busy_s() - busy0) - (_own_s() - own0)
+        others = (_busy_s() - busy0) - (_own_s(self._processes) - own0)
         self.other_cores = max(others, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
 
 

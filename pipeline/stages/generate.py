@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pipeline.backends.compile import compiled_frames
 from pipeline.errors import StageFailure
+from pipeline.models.memory import decode_weight_bytes
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime import metrics as generation
 from pipeline.runtime.engine import DemoLLM
@@ -13,6 +14,15 @@ from pipeline.runtime.requests import build_requests
 from pipeline.runtime.routed_bytes import routed_decode_bytes
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
+
+
+def _decode_bytes(state: RunState) -> int:
+    """The weights a step reads: the whole model's as loaded, or, on a tensor-parallel rank, its
+    shards of the graph and the replicated rest (lm_head)."""
+    if state.rank is None:
+        return state.model_info.decode_bytes
+    paths = state.model_info.language_model_paths
+    return decode_weight_bytes(state.model, paths[0] if paths else "")
 
 
 def run(state: RunState) -> StageResult:
@@ -32,7 +42,7 @@ def run(state: RunState) -> StageResult:
     if warm_up:
         engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
     iterations = cfg.benchmark.iterations if cfg.benchmark.enabled else 1
-    with MachineLoad() as load:
+    with MachineLoad(peers=state.rank is not None) as load:
         runs = [engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)]
     state.engine, state.generation = engine, runs[-1]
 
@@ -40,7 +50,7 @@ def run(state: RunState) -> StageResult:
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
     generation.write_tokens(tokens_file, requests, runs[-1])
     routed_bytes, bytes_notes = _routed_bytes(state, engine, requests)
-    decode_bytes = routed_bytes if routed_bytes is not None else state.model_info.decode_bytes
+    decode_bytes = routed_bytes if routed_bytes is not None else _decode_bytes(state)
     metrics = generation.generation_metrics(runs, decode_bytes, engine.lookahead)
     notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
     if routed_bytes is not None:

@@ -17,7 +17,8 @@ from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs
 from pipeline.profiler import session
-from pipeline.report.breakdown import comparison, comparison_table, long_table
+from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table
+from pipeline.report.ranks import COMMUNICATION
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
@@ -79,12 +80,18 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
         engine.eos_ids = eos
 
 
+def _trace_dir(state: RunState):
+    """traces/ of the job's folder, for every rank: a phase's folder then holds one rank<k>.json per
+    rank, the layout Holistic Trace Analysis reads as one distributed trace."""
+    return (state.rank.root if state.rank is not None else state.run_dir) / "traces"
+
+
 def _eager_reference(state: RunState) -> session.ProfiledRun:
     """The same workload on the model as Hugging Face built it: graphs swapped back for the modules
     they replaced, model-scope rewrites of the eager parts undone, HF's attention and cache."""
     with model_passes_undone(state.model, state.transform_history), eager_graphs(state.model) as eager:
         engine = DemoLLM(eager, state.hf_config, state.cfg.runtime, state.device, set())
-        return _profiled(state, engine, state.run_dir / "traces" / "eager", "torch-simple")
+        return _profiled(state, engine, _trace_dir(state) / "eager", "torch-simple")
 
 
 def run(state: RunState) -> StageResult:
@@ -93,7 +100,7 @@ def run(state: RunState) -> StageResult:
         return StageResult(notes=["profile.enabled=false: not profiled"])
     if state.engine is None:
         raise StageFailure("nothing to profile: the generate stage built no engine")
-    folder, trace_dir = state.run_dir / "profile", state.run_dir / "traces"
+    folder, trace_dir = state.run_dir / "profile", _trace_dir(state)
     folder.mkdir(parents=True, exist_ok=True)
     profiled = _profiled(state, state.engine, trace_dir, state.backend)
     categories = cfg.profile.kernel_categories
@@ -122,6 +129,11 @@ def run(state: RunState) -> StageResult:
     metrics = session.metrics_of(profiled, phases)
     metrics["profile/prefill_layer_coverage_pct"] = session.layer_coverage(phases, "prefill")
     metrics["profile/decode_layer_coverage_pct"] = session.layer_coverage(phases, "decode_")
+    if state.rank is not None:  # the all-reduces of the sharded graph
+        metrics["profile/comm_pct"] = category_pct(phases, COMMUNICATION)
+        notes.append(
+            f"communication: {metrics['profile/comm_pct']:.1f} % of the steps' time (rank {state.rank.rank})"
+        )
     for phase, rows in extra.get("comparison", {}).items():
         total = rows[-1]
         if total["speedup"] is not None:

@@ -1,6 +1,9 @@
 """report: breakdown plots of the saved profile (plots/, and MLflow images under fixed keys) and
 the run report (report/report.md, report/report.html). A failed run gets the same report of what
-it reached, written by the runner through `write_for_failure`."""
+it reached, written by the runner through `write_for_failure`.
+
+Tensor-parallel ranks meet here first (pipeline/ranks.py): rank 0's report then compares every
+rank's profile; the other ranks end with their folder, part of rank 0's run."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ import json
 import logging
 from pathlib import Path
 
+from pipeline.parallel import meet
 from pipeline.report.plots import render
+from pipeline.report.ranks import rank_metrics, rank_profiles
 from pipeline.report.run_report import write_report
 from pipeline.state import RunState, StageResult
 
@@ -26,12 +31,19 @@ def _plots(state: RunState) -> tuple[dict[str, Path], list[str]]:
 
 
 def run(state: RunState) -> StageResult:
+    metrics = {}
+    if state.rank is not None:
+        meet(state.cfg.runtime.collective_timeout_s)
+        if state.rank.rank > 0:
+            return StageResult(notes=[f"rank {state.rank.rank}: rank 0's report covers this rank's folder"])
+        metrics = rank_metrics(rank_profiles(state.run_dir, state.rank.world))
     if not state.cfg.report.enabled:
-        return StageResult(notes=["report.enabled=false: no report"])
+        return StageResult(metrics=metrics, notes=["report.enabled=false: no report"])
     plots, notes = _plots(state)
     md, page = write_report(state, plots, notes)
     artifacts = [page.parent] + ([state.run_dir / "plots"] if plots else [])
     return StageResult(
+        metrics=metrics,
         artifacts=artifacts,
         images={f"breakdown_{key}": png for key, png in plots.items()},
         notes=[*notes, f"{len(plots)} plots in {state.run_dir / 'plots'}; report: {page}"],

@@ -81,9 +81,13 @@ class Transform:
         rewritten, each with where the pattern stopped (a matcher explains itself); [] for none."""
         return []
 
+    def unmatched_model(self) -> list[str]:
+        """After apply_model: the same for the eager modules."""
+        return []
+
     def matched(self) -> list[str]:
-        """After apply_graph: what each match was, for a transform whose matches differ in kind
-        (shard: the column/row tuples it split); [] where the count says it all."""
+        """After apply_graph or apply_model: what each match was, for a transform whose matches
+        differ in kind (shard: the column/row tuples it split); [] where the count says it all."""
         return []
 
 
@@ -256,8 +260,8 @@ def _apply_one(
         record.status = "skipped"
     record.seconds = time.perf_counter() - start
     record.nodes_after = _node_count(target)
-    if record.status == "applied" and scope == "subgraph":
-        record.unmatched = transform.unmatched(target)
+    if record.status == "applied":
+        record.unmatched = transform.unmatched(target) if scope == "subgraph" else transform.unmatched_model()
         record.matched = transform.matched()
         if record.unmatched and not record.matches:
             more = f" (and {len(record.unmatched) - 1} more)" if len(record.unmatched) > 1 else ""

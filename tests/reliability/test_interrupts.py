@@ -4,39 +4,20 @@ run that the next invocation finds (by host and pid) and marks FAILED."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO_ROOT, mlflow_runs, run_pipeline
+from conftest import mlflow_runs, run_pipeline, start_paused
 
 pytestmark = pytest.mark.slow
 
 ARGS = ["model=tiny_llama3_1_8b", "backend=torch-compile", "prompt.output_len=4", "profile.decode_steps=2"]
 
 
-def _signals_as_in_a_terminal() -> None:
-    """In the child, before exec: SIGINT and SIGTERM at their defaults. A shell running a background
-    job (`make test &`) starts it with SIGINT ignored, children inherit that, and Python then never
-    installs its Ctrl-C handler: the interrupt these tests send would be dropped."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _start_paused(stage: str, tmp_path, uri: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline", *ARGS, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PIPELINE_PAUSE_AT": stage, "PYTHONUNBUFFERED": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_signals_as_in_a_terminal,
-    )
+    return start_paused(stage, [*ARGS, f"tracking.uri={uri}"], tmp_path / "run")
 
 
 def _wait_for_stage(proc: subprocess.Popen, log, stage: str, timeout: float = 120) -> None:
