@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +42,29 @@ class Rank:
     def device(self, device: torch.device) -> torch.device:
         """One GPU per rank on its host; CPU ranks share the CPU."""
         return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+
+def join(
+    rank: int, world: int, init_method: str, timeout_s: float, on_cuda: bool, local_rank: int = 0
+) -> None:
+    """Enter the job's process group: NCCL with one GPU per rank, gloo on CPU; a collective that
+    waits longer than timeout_s raises instead of hanging the job."""
+    if on_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl" if on_cuda else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now: where rank 0 of a one-host group listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank_dir(root: Path, rank: int) -> Path:

@@ -27,12 +27,10 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ import torch.multiprocessing as mp
 
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, RunFailed, StageFailure
-from pipeline.parallel import PROGRESS, Rank, rank_dir, stop_signals
+from pipeline.parallel import PROGRESS, Rank, free_port, join, rank_dir, stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +126,7 @@ def run_rank(me: Rank, config: PipelineConfig, hf_config, name, dtype, overrides
 
 
 def _join(me: Rank, init_method: str, config: PipelineConfig, on_cuda: bool) -> None:
-    if on_cuda:
-        torch.cuda.set_device(me.local_rank)
-    dist.init_process_group(
-        "nccl" if on_cuda else "gloo",
-        init_method=init_method,
-        rank=me.rank,
-        world_size=me.world,
-        timeout=timedelta(seconds=config.runtime.collective_timeout_s),
-    )
+    join(me.rank, me.world, init_method, config.runtime.collective_timeout_s, on_cuda, me.local_rank)
 
 
 def _handle_signals(root: Path) -> None:
@@ -226,12 +216,6 @@ def _spawned(rank: int, job: RankJob) -> None:
         sys.exit(130)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     config: PipelineConfig, hf_config, root: Path, name, dtype, overrides, on_cuda: bool, parent_run_id
 ) -> None:
@@ -240,7 +224,7 @@ def launch(
     world = config.runtime.world_size
     threads = max(1, torch.get_num_threads() // world)
     job = RankJob(
-        config, hf_config, name, dtype, overrides, root, _free_port(), threads, on_cuda, parent_run_id,
+        config, hf_config, name, dtype, overrides, root, free_port(), threads, on_cuda, parent_run_id,
         logging.getLogger().getEffectiveLevel(),
     )  # fmt: skip
     log.info(

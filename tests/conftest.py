@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
 from pipeline.models import build, meta, probe, zoo
 from pipeline.models.inputs import make_example_inputs
+from pipeline.parallel import free_port
 from pipeline.transforms.registry import TransformContext
 
 CONF_DIR = str(REPO_ROOT / "conf")
@@ -203,9 +203,7 @@ def mlflow_runs(uri: str, experiment: str = "pipeline"):
 @contextlib.contextmanager
 def mlflow_server(store_uri: str, *extra: str):
     """`mlflow server` on a free 127.0.0.1 port for the duration; yields its URL once /health answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,

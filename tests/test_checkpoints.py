@@ -2,7 +2,8 @@
 template built offline, the family's image processor config. For every tiny seed model the
 pipeline (load from the folder, partial capture, transforms, demollm) generates the tokens Hugging
 Face's own `from_pretrained` + `generate` does from the same folder, for text, chat and chat-with-image
-queries; a folder with a weight or a shard missing fails naming it."""
+queries, and so do two tensor-parallel ranks; a folder with a weight or a shard missing fails
+naming it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import save_checkpoint
-from conftest import TINY_MODELS, build_tiny, compose_dict, run_pipeline
+from conftest import TINY_MODELS, build_tiny, compose_dict, generated_tokens, run_pipeline
 from PIL import Image
 from test_runtime import hf_inputs
+from two_ranks import spawn
 
 from pipeline.__main__ import check_config
-from pipeline.bench.prepare import advance, new_state, release
+from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.errors import ConfigError, StageFailure
 from pipeline.models import zoo
 from pipeline.runtime.engine import DemoLLM
@@ -125,6 +127,42 @@ def test_a_checkpoint_folder_generates_what_hugging_face_generates(name, dtype, 
         assert tokens == _hf_reference(checked.model_cls, folders[name], requests, dtype, 6)
     finally:
         release(state)
+
+
+def _generate_on_rank(rank: int, overrides: list[str]) -> dict:
+    """The stages through generate on this rank; its tokens, the requests and the regions split."""
+    stages = ("load", "export", "transforms", "capture", "generate")
+    with prepared(overrides, torch.float32, torch.device("cpu"), stages) as state:
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources
+        )
+        return dict(
+            tokens=generated_tokens(state.run_dir),
+            requests=requests,
+            sharded=[t for r in state.transform_history.records if r.transform == "shard" for t in r.matched],
+        )
+
+
+@pytest.mark.slow
+def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(folders, photo):
+    """runtime.world_size=2's stages on a saved mistral3 folder (text, chat and chat-with-image
+    queries): each rank loads the folder, shards the graph and the eager lm_head, and both generate
+    the tokens of Hugging Face's from_pretrained + generate, which knows nothing of the ranks."""
+    name = "tiny_mistral3"
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={folders[name]}",
+        f"prompt.queries={hydra_value(_queries(name, photo))}",
+        "prompt.output_len=6",
+        "capture=partial",
+    ]
+    ranks = spawn(_generate_on_rank, overrides)
+    cls = check_config(compose_dict(overrides), cuda_available=False).model_cls
+    reference = _hf_reference(cls, folders[name], ranks[0]["requests"], torch.float32, 6)
+    for rank in ranks:
+        assert len(rank["sharded"]) == 5, rank["sharded"]  # attention and MLP of 2 layers, the lm_head
+        assert rank["tokens"] == reference, (rank["rank"], rank["tokens"], reference)
 
 
 def _copy(folder: Path, into: Path) -> Path:

@@ -25,6 +25,7 @@ from conftest import (
 
 from pipeline.__main__ import check_config
 from pipeline.errors import ConfigError
+from pipeline.parallel import free_port
 
 ARGS = [
     "model=tiny_llama3_1_8b",
@@ -193,7 +194,7 @@ def test_torchrun_runs_the_same_job(tmp_path, tracking_uri):
     proc = subprocess.run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), "-m", "pipeline", *ARGS, "profile.enabled=false", "runtime.world_size=2",
+            str(free_port()), "-m", "pipeline", *ARGS, "profile.enabled=false", "runtime.world_size=2",
             f"tracking.uri={tracking_uri}", f"hydra.run.dir={run_dir}",
         ],
         cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
@@ -203,11 +204,3 @@ def test_torchrun_runs_the_same_job(tmp_path, tracking_uri):
     _, runs = mlflow_runs(tracking_uri)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert (run_dir / "rank1" / "summary.json").exists()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

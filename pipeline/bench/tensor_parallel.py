@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,6 +38,7 @@ from pipeline.graphs import eager_graphs
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.models.memory import decode_weight_bytes
+from pipeline.parallel import free_port, join
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
 
@@ -49,12 +48,6 @@ COLLECTIVES = (
     "_c10d_functional::wait_tensor",
 )
 RESULTS = REPO_ROOT / "BENCHMARKS.tp.json"  # BENCHMARKS.md shows it (python -m pipeline.bench --render)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _decode_s(engine, requests, steps: int) -> float:
@@ -96,15 +89,7 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
     torch.set_num_threads(threads)
     try:
         if world > 1:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=600),
-            )
+            join(rank, world, f"tcp://127.0.0.1:{port}", 600, device.type == "cuda", rank)
         dtype = getattr(torch, args["dtype"])
         overrides = [f"model={args['model']}", "capture=partial", "backend=torch-simple", *extra]
         with prepared(overrides, dtype, device, ("load", "export", "transforms", "capture")) as state:
@@ -149,7 +134,7 @@ def run_block(label: str, world: int, args: dict, extra: list[str] = ()) -> dict
     threads = args["threads"] if args["device"] == "cuda" else max(1, args["threads"] // world)
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _port()
+    port = free_port()
     procs = [
         context.Process(target=_rank, args=(r, world, port, args, threads, list(extra), results))
         for r in range(world)
