@@ -306,9 +306,9 @@ def main() -> None:
     )
     # Hugging Face's Llama-4 prefill runs all 16 experts on every token: about 7 s for 128 tokens here
     parser.add_argument("--moe-prompt-len", type=int, default=16)
-    # Batch 4 of llama4_scout (15.3 GB of bfloat16 weights) ran the process out of memory here (23 GB
-    # resident, killed by the kernel, 2026-12-01), so the MoE rows default to batch 1.
-    parser.add_argument("--moe-batches", default="1")
+    # Batch 4 of llama4_scout (15.3 GB of bfloat16 weights) ran out of memory here until Hugging
+    # Face's prefill stopped copying its lm_head per sequence (decode._hf_sample, logits_to_keep).
+    parser.add_argument("--moe-batches", default="1,4")
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
