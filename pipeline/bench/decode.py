@@ -212,12 +212,12 @@ def _hf_sample(model, prompts: torch.Tensor, steps: int) -> tuple[float, float]:
             min_new_tokens=1 + steps,
             do_sample=False,
             stopping_criteria=StoppingCriteriaList([StepClock()]),
-            # The prefill's logits for every prompt position, not generate's default of the last
-            # one: hidden[:, -1:] of a [B, S, K] prefill is a strided view, and F.linear of it with a
-            # bfloat16 weight on CPU expands the weight to a batched matmul, B copies of it
-            # (llama4_scout batch 4: 7.7 GiB beside its 15 GiB, the kernel's OOM kill). A whole
-            # [B, S, K] input is one GEMM. Decode steps ([B, 1, K], contiguous) are the same.
-            logits_to_keep=0,
+            # The last position's logits, as generate's default (logits_to_keep=1) asks, but picked
+            # by index: the default's hidden[:, -1:] of a [B, S, K] prefill is a strided view, and
+            # F.linear of it with a bfloat16 weight on CPU expands the weight to a batched matmul,
+            # B copies (llama4_scout batch 4: +7.7 GiB beside its 15 GiB, the kernel's OOM kill);
+            # indexing gives a contiguous [B, 1, K] (+0.01 GiB). Same logits, prefill and decode.
+            logits_to_keep=torch.tensor([-1], device=prompts.device),
         )
     step_s = [later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False)]
     return statistics.median(step_s), stamps[0] - start
