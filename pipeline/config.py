@@ -57,6 +57,11 @@ class RuntimeConfig:
     max_batch_size: int = 8
     max_num_tokens: int = 8192
     world_size: int = 0  # 0 or 1: one process; N > 1: N tensor-parallel ranks (pipeline/ranks.py)
+    # What a tensor-parallel rank allocates of the weights the shard transform splits. whole: every
+    # rank builds the whole model and slices it, so export and transforms check the sharded graph
+    # against the eager model; shard: each rank allocates only its slices (models/deferred.py), for
+    # models whose whole does not fit a rank, with no eager model to check or profile against.
+    tp_weights: str = "whole"
     # A collective that waits longer fails the run: a peer that hangs never holds the others forever;
     # long enough for the ranks' differences in load and compile time.
     collective_timeout_s: int = 300
@@ -314,6 +319,7 @@ def check_runtime(rt: RuntimeConfig) -> None:
         raise ConfigError(
             f"runtime.world_size={rt.world_size}: use 0 (one process) or N > 1 (N tensor-parallel ranks)"
         )
+    _one_of("runtime.tp_weights", rt.tp_weights, ("whole", "shard"))
     _positive("runtime.collective_timeout_s", rt.collective_timeout_s)
 
 

@@ -73,6 +73,8 @@ def check_world(config: PipelineConfig, hf_config, on_cuda: bool, multirun: bool
             f"torchrun started {launched} processes but runtime.world_size={world}; "
             f"pass runtime.world_size={launched}"
         )
+    if config.runtime.tp_weights == "shard":
+        check_shard_weights(config, world)
     if world <= 1:
         return
     if launched is not None and multirun:
@@ -112,6 +114,35 @@ def check_world(config: PipelineConfig, hf_config, on_cuda: bool, multirun: bool
                 f"runtime.world_size={world} needs {local} GPUs on this host and it has "
                 f"{torch.cuda.device_count()}; use fewer ranks, or torchrun over several hosts"
             )
+
+
+def check_shard_weights(config: PipelineConfig, world: int) -> None:
+    """runtime.tp_weights=shard leaves no whole weight on any rank: what needs one is refused."""
+    key = "runtime.tp_weights=shard"
+    if world <= 1:
+        raise ConfigError(
+            f"{key} splits the weights among tensor-parallel ranks and runtime.world_size={world} is one "
+            "process; set runtime.world_size=N (N > 1) or runtime.tp_weights=whole"
+        )
+    if config.capture.submodules:
+        raise ConfigError(
+            f"{key} defers the language model's linears to the shard transform, which sees only the "
+            "graph capture.submodules names; leave capture.submodules empty (capture=partial finds the "
+            "language model)"
+        )
+    if config.profile.enabled and config.profile.reference == "eager":
+        raise ConfigError(
+            f"{key}: no rank holds the whole eager model to profile beside the run; set "
+            "profile.reference=none (or runtime.tp_weights=whole)"
+        )
+    shard = config.transforms.get("shard") or {}
+    scope = shard.get("scope", ["subgraph", "model"])
+    scopes = [scope] if isinstance(scope, str) else list(scope)
+    if not {"subgraph", "model"} <= set(scopes):
+        raise ConfigError(
+            f"{key}: transforms.shard.scope={','.join(scopes)} leaves weights of the eager model or the "
+            "graph unfilled; set transforms.shard.scope=[subgraph,model]"
+        )
 
 
 # -- one rank -------------------------------------------------------------------------------------

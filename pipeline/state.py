@@ -10,6 +10,7 @@ import torch
 
 from pipeline.config import PipelineConfig
 from pipeline.export.graph_capture import CapturedGraph
+from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import ExampleInputs
 from pipeline.parallel import Rank
 from pipeline.transforms.registry import TransformHistory
@@ -90,6 +91,9 @@ class RunState:
     example_inputs: ExampleInputs | None = None
     check_calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> kwargs of a model call
     reference: Reference | None = None  # eager logits (and MoE near-ties) of each check call
+    deferred: DeferredWeights | None = (
+        None  # runtime.tp_weights=shard: weights load left for the shard transform
+    )
     captured: list[CapturedGraph] = field(default_factory=list)
     checks: list[CorrectnessCheck] = field(default_factory=list)
     transform_history: TransformHistory | None = None

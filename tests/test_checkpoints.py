@@ -137,18 +137,28 @@ def _generate_on_rank(rank: int, overrides: list[str]) -> dict:
         requests = build_requests(
             cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources
         )
+        held = {
+            p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in state.model.parameters()
+        }
         return dict(
             tokens=generated_tokens(state.run_dir),
             requests=requests,
             sharded=[t for r in state.transform_history.records if r.transform == "shard" for t in r.matched],
+            # tp_weights=shard: what load read whole, what the shard transform read of the rest (and
+            # what it would have read whole); held: with load's placeholders, one element each
+            read=state.model_info.bytes + (state.deferred.filled_bytes if state.deferred else 0),
+            sliced=(state.deferred.filled_bytes, state.deferred.whole_bytes()) if state.deferred else None,
+            held=sum(held.values()) + (len(state.deferred) * state.dtype.itemsize if state.deferred else 0),
         )
 
 
 @pytest.mark.slow
-def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(folders, photo):
+@pytest.mark.parametrize("tp_weights", ["whole", "shard"])
+def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(tp_weights, folders, photo):
     """runtime.world_size=2's stages on a saved mistral3 folder (text, chat and chat-with-image
-    queries): each rank loads the folder, shards the graph and the eager lm_head, and both generate
-    the tokens of Hugging Face's from_pretrained + generate, which knows nothing of the ranks."""
+    queries): each rank loads the folder (whole, or with tp_weights=shard only its slices of the
+    split weights, read from the files alone), shards the graph and the eager lm_head, and both
+    generate the tokens of Hugging Face's from_pretrained + generate, which knows nothing of the ranks."""
     name = "tiny_mistral3"
     overrides = [
         "model=hf",
@@ -157,12 +167,15 @@ def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(folders,
         "prompt.output_len=6",
         "capture=partial",
     ]
-    ranks = spawn(_generate_on_rank, overrides)
+    ranks = spawn(_generate_on_rank, [*overrides, f"runtime.tp_weights={tp_weights}"])
     cls = check_config(compose_dict(overrides), cuda_available=False).model_cls
     reference = _hf_reference(cls, folders[name], ranks[0]["requests"], torch.float32, 6)
     for rank in ranks:
         assert len(rank["sharded"]) == 5, rank["sharded"]  # attention and MLP of 2 layers, the lm_head
         assert rank["tokens"] == reference, (rank["rank"], rank["tokens"], reference)
+        if tp_weights == "shard":  # far less than the split weights whole, and nothing read to be cut
+            filled, whole = rank["sliced"]
+            assert filled < 0.75 * whole and rank["read"] <= rank["held"], rank
 
 
 def _copy(folder: Path, into: Path) -> Path:

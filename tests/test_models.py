@@ -162,3 +162,30 @@ def test_dtype_auto_picks_bfloat16_on_cpu_only_when_float32_does_not_fit(monkeyp
     assert memory.auto_dtype(params, hf_config, cfg.runtime, cpu) == (torch.float32, None)
     monkeypatch.setattr(memory, "free_bytes", lambda device: 5 * 10**9)  # neither fits: check_fits says so
     assert memory.auto_dtype(params, hf_config, cfg.runtime, cpu) == (torch.float32, None)
+
+
+def test_tensor_parallel_ranks_are_counted_in_what_must_fit(monkeypatch):
+    """A rank with tp_weights=whole holds the whole model beside its slices, with shard only its
+    slices; one CPU host holds every rank's, a GPU one rank's."""
+    from pipeline.errors import ConfigError
+    from pipeline.models import memory, meta
+
+    def fits(overrides: list[str], device: str, free_gb: float) -> None:
+        cfg = compose_cfg(["model=llama4_scout", *overrides])
+        hf_config = zoo.build_hf_config(cfg.model)
+        params = meta.parameter_count(
+            meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config)
+        )
+        monkeypatch.setattr(memory, "free_bytes", lambda device: free_gb * 10**9)
+        memory.check_fits(
+            params, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device(device)
+        )
+
+    two = ["runtime.world_size=2"]
+    fits([], "cpu", 24)  # 14.7 GB of bfloat16 weights, once
+    with pytest.raises(ConfigError, match=r"3x the weights for 2 ranks.*use runtime.tp_weights=shard"):
+        fits(two, "cpu", 24)
+    fits([*two, "runtime.tp_weights=shard"], "cpu", 24)  # the two ranks' slices: one model
+    with pytest.raises(ConfigError, match=r"1.5x the weights for 2 ranks"):
+        fits(two, "cuda", 12)
+    fits([*two, "runtime.tp_weights=shard"], "cuda", 12)  # half a model per GPU

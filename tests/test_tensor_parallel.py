@@ -45,6 +45,18 @@ ARGS = [
         (["runtime.world_size=2", "transforms.shard.enabled=false"], "transforms.shard is off"),
         (["runtime.world_size=-1"], "runtime.world_size=-1: use 0 (one process) or N > 1"),
         (["runtime.world_size=2", "runtime.collective_timeout_s=0"], "runtime.collective_timeout_s"),
+        (["runtime.tp_weights=half"], "runtime.tp_weights=half"),
+        (["runtime.tp_weights=shard"], "runtime.world_size=0 is one process"),
+        (["runtime.world_size=2", "runtime.tp_weights=shard"], "set profile.reference=none"),
+        (
+            [
+                "runtime.world_size=2",
+                "runtime.tp_weights=shard",
+                "profile.reference=none",
+                "transforms.shard.scope=subgraph",
+            ],
+            "leaves weights of the eager model or the graph unfilled",
+        ),
     ],
 )
 def test_a_world_the_model_cannot_split_is_a_config_error(overrides, message):

@@ -7,11 +7,13 @@ On CPU the machine's cores are divided among the ranks (world 2: one thread each
 threads), so the rows say what tensor parallelism costs and gains on one memory bus; on GPUs each
 rank has its own device and memory.
 
-Each block runs in its own processes (a world-2 rank holds the whole model beside its shards, so
-two blocks do not fit in memory together): world 1; each larger world with the lm_head
-vocab-parallel (the shard transform's default) and replicated (`transforms.shard.lm_head`), the
-measured choice; world 1 again, so the drift of a noisy machine shows as the gap between the two
-world-1 blocks. Within a block: `repeats` samples after a warm-up, each the median decode step of
+Each block runs in its own processes (a world-2 rank with `runtime.tp_weights=whole` holds the
+whole model beside its shards, so two blocks do not fit in memory together): world 1; each larger
+world with the lm_head vocab-parallel (the shard transform's default) and replicated
+(`transforms.shard.lm_head`), the measured choice, and with `runtime.tp_weights=shard` (each rank
+allocates only its slices); world 1 again, so the drift of a noisy machine shows as the gap between
+the two world-1 blocks. Each rank's peak resident memory (getrusage's ru_maxrss of its process)
+says what a rank needs. Within a block: `repeats` samples after a warm-up, each the median decode step of
 `steps` steps; a world's step is its slowest rank's. Beside the times, per rank: the bytes of
 weights a step reads (its shards and its lm_head), the share of a profiled step spent in the
 collectives (functional all_reduce / all_gather + wait_tensor, waits for the peer included), one
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -120,6 +123,7 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
             with eager_graphs(state.model) as eager:  # HF's accessor walks the eager modules
                 head = eager.get_output_embeddings()
             result["lm_head_bytes"] = sum(p.numel() * p.element_size() for p in head.parameters())
+        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         results.put(result)
     except Exception as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -152,12 +156,15 @@ def run_block(label: str, world: int, args: dict, extra: list[str] = ()) -> dict
 
 
 def bench(args: dict) -> dict:
-    """world 1; each larger world, lm_head vocab-parallel and replicated; world 1 again."""
+    """world 1; each larger world, lm_head vocab-parallel and replicated, and holding only its
+    slices; world 1 again."""
     blocks = [run_block("world 1", 1, args)]
     for world in (w for w in args["worlds"] if w > 1):
         blocks.append(run_block(f"world {world}, lm_head vocab-parallel", world, args))
         replicated = ["transforms.shard.lm_head=replicated"]
         blocks.append(run_block(f"world {world}, lm_head replicated", world, args, replicated))
+        slices = ["runtime.tp_weights=shard"]
+        blocks.append(run_block(f"world {world}, only its slices allocated", world, args, slices))
     blocks.append(run_block("world 1 again", 1, args))
     return {**args, "date": time.strftime("%Y-%m-%d %H:%M"), "blocks": blocks}
 
@@ -177,12 +184,12 @@ def markdown(result: dict) -> str:
         "GPUs: no multi-GPU machine was lent (`--device cuda --worlds 1,2,4,8` there).",
         "",
         "| block | threads/rank | decode ms/step (p10-p90) | weights read/step GB | of which lm_head GB | "
-        "collectives' share of a step % | one all-reduce us | one logits all-gather us |",
-        "|---|---|---|---|---|---|---|---|",
+        "collectives' share of a step % | one all-reduce us | one logits all-gather us | peak memory GB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for block in result["blocks"]:
         if "error" in block:
-            lines.append(f"| {block['label']} | {block['threads']} | failed: {block['error']} |" + " |" * 5)
+            lines.append(f"| {block['label']} | {block['threads']} | failed: {block['error']} |" + " |" * 6)
             continue
         step, ranks = block["step_ms"], block["ranks"]
         noisy = " NOISY" if rounds.is_noisy(step) else ""
@@ -190,7 +197,8 @@ def markdown(result: dict) -> str:
             f"| {block['label']} | {block['threads']} | {step['median']:.1f} ({step['p10']:.1f}-"
             f"{step['p90']:.1f}){noisy} | {_per_rank(ranks, 'weight_bytes', 1e9, '.3g')} | "
             f"{_per_rank(ranks, 'lm_head_bytes', 1e9, '.3g')} | {_per_rank(ranks, 'collective_pct', 1, '.1f')} | "
-            f"{_per_rank(ranks, 'all_reduce_us', 1, '.0f')} | {_per_rank(ranks, 'all_gather_logits_us', 1, '.0f')} |"
+            f"{_per_rank(ranks, 'all_reduce_us', 1, '.0f')} | {_per_rank(ranks, 'all_gather_logits_us', 1, '.0f')} | "
+            f"{_per_rank(ranks, 'peak_rss_bytes', 1e9, '.3g')} |"
         )
     return "\n".join(lines) + "\n"
 

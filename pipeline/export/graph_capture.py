@@ -27,6 +27,7 @@ from torch.export import Dim
 from torch.utils import _pytree as pytree
 
 from pipeline.graphs import GraphRecord, first_tensor, record_of, set_record
+from pipeline.models.probe import first_calls
 
 _PRIMITIVES = (bool, int, float, str)
 
@@ -160,12 +161,8 @@ def with_position_ids(module: nn.Module, recorded: RecordedCall, offset: int) ->
     return RecordedCall({**recorded.kwargs, "position_ids": positions})
 
 
-def record_calls(
-    model: nn.Module, paths: list[str], call: dict[str, Any]
-) -> tuple[dict[str, RecordedCall], Any]:
-    """Run the whole model once; returns the first call each submodule received, and the output."""
-    recorded: dict[str, RecordedCall] = {}
-    handles = []
+def record_calls(model: nn.Module, paths: list[str], call: dict[str, Any]) -> dict[str, RecordedCall]:
+    """Run the model until each submodule has been entered; returns the first call each received."""
     known = dict(model.named_modules())
     for path in paths:
         if path not in known:
@@ -173,24 +170,13 @@ def record_calls(
                 f"capture.submodules: '{path}' is not a submodule of {type(model).__name__}; "
                 f"top-level modules are {[name for name, _ in model.named_children()]}"
             )
-        module = known[path]
-
-        def hook(mod, args, kwargs, path=path):
-            recorded.setdefault(path, RecordedCall(_bind(mod, args, kwargs)))
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**call)
-    finally:
-        for handle in handles:
-            handle.remove()
-    missing = [p for p in paths if p not in recorded]
+    calls = first_calls(model, paths, call)
+    missing = [p for p in paths if p not in calls]
     if missing:
         raise ExportError(
             f"submodule(s) {', '.join(missing)} did not run in the model's forward; check capture.submodules"
         )
-    return recorded
+    return {path: RecordedCall(_bind(known[path], *calls[path])) for path in paths}
 
 
 def _tensor_dims(tensor: torch.Tensor, batch: int, seq: int) -> tuple[dict[int, Any], dict[int, str]]:

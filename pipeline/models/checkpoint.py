@@ -7,7 +7,9 @@ no config, a shard the index names missing, pickled weights only). `load` reads 
 Hugging Face's own `from_pretrained` (safetensors only, never the network) and makes its loading
 report a contract: a weight of the model that the folder does not hold fails the load, naming it,
 where Hugging Face would initialise it randomly and go on; weights the folder holds that the model
-does not use (a checkpoint of 40 layers run with two) are reported.
+does not use (a checkpoint of 40 layers run with two) are reported. `load_slices` is the
+tensor-parallel rank's load under `runtime.tp_weights=shard`: the weights the shard transform splits
+are read later, each rank only its slices of them (models/deferred.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError, StageFailure
+from pipeline.models import build
+from pipeline.models.deferred import DeferredWeights, Recipe
 
 INDEX = "model.safetensors.index.json"
 SHOWN = 5  # names listed in a message; the count says the rest
@@ -135,6 +139,98 @@ def load(
         bytes=sum(p.numel() * p.element_size() for p in unique),
         seconds=time.perf_counter() - start,
         unexpected=sorted(info["unexpected_keys"]),
+    )
+
+
+def _sources(model: nn.Module, folder: Path) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """Model parameter name -> (safetensors file, key) of the folder's tensor that loads into it
+    unchanged, named as Hugging Face's own loading names it (the model's conversion mapping: a
+    saved Mistral3 keeps its language model at `language_model.model.*`, say); and the folder's keys
+    that load into nothing. A key Hugging Face converts on load (experts stacked from per-expert
+    tensors) is not a source: what needs it is reported missing."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names = dict.fromkeys(model.state_dict(keep_vars=True))
+    sources, unused = {}, []
+    for file in weight_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                target, converter = rename_source_key(
+                    key, renamings, converters, model.base_model_prefix, names
+                )
+                if converter is None and target in names:
+                    sources[target] = (str(file), key)
+                else:
+                    unused.append(key)
+    return sources, unused
+
+
+def load_slices(
+    model_cls: type,
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str | None,
+    defer: build.DeferWhere,
+    deferred: DeferredWeights,
+) -> tuple[nn.Module, LoadReport]:
+    """runtime.tp_weights=shard from a checkpoint: the model built on the meta device; each weight
+    `defer` names becomes a placeholder whose slices are read later from its file alone
+    (models/deferred.py), every other weight is read whole. The same contract as `load`: a weight
+    of the model the folder lacks, or holds in another shape, fails the load naming it."""
+    from safetensors import safe_open
+
+    start = time.perf_counter()
+    model = build.on_meta(model_cls, hf_config, device, attn_implementation)
+    sources, unused = _sources(model, Path(path))
+    done: dict[int, nn.Parameter] = {}  # id(meta param) -> its tensor: tied weights stay one
+    missing, mismatched = [], []
+    with contextlib.ExitStack() as files:
+        opened = {}
+        for module_path, module, name, param in build.parameter_owners(model):
+            full = f"{module_path}.{name}".lstrip(".")
+            if id(param) not in done:
+                if full not in sources:
+                    missing.append(full)
+                    continue
+                file, key = sources[full]
+                if file not in opened:
+                    opened[file] = files.enter_context(safe_open(file, framework="pt", device="cpu"))
+                stored = opened[file].get_slice(key)
+                if tuple(stored.get_shape()) != tuple(param.shape):
+                    mismatched.append(f"{full} {tuple(stored.get_shape())} vs {tuple(param.shape)}")
+                    continue
+                if defer(module_path, module, name):
+                    recipe = Recipe(full, tuple(param.shape), dtype, device, source=(file, key))
+                    done[id(param)] = deferred.placeholder(recipe)
+                else:
+                    tensor = stored[:].to(device=device, dtype=dtype)
+                    done[id(param)] = nn.Parameter(tensor, requires_grad=False)
+            module._parameters[name] = done[id(param)]
+    if missing:
+        raise StageFailure(
+            f"model.checkpoint={path} lacks {len(missing)} weight(s) of {model_cls.__name__} as stored tensors: "
+            f"{_names(missing)}; runtime.tp_weights=shard reads tensors the folder holds as they are (not ones "
+            "Hugging Face assembles on load, such as stacked experts): use runtime.tp_weights=whole"
+        )
+    if mismatched:
+        raise StageFailure(
+            f"model.checkpoint={path} holds {len(mismatched)} weight(s) of other shapes than {model_cls.__name__} "
+            f"expects: {_names(mismatched)}; check model.model_kwargs against the folder's config.json"
+        )
+    model.eval()
+    unique = list(done.values())
+    return model, LoadReport(
+        params=sum(p.numel() for p in unique),
+        bytes=sum(p.untyped_storage().nbytes() for p in unique),
+        seconds=time.perf_counter() - start,
+        unexpected=sorted(unused),
     )
 
 

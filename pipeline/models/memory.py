@@ -23,6 +23,11 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def human_bytes(n: float) -> str:
+    """5.86 GiB, 0.52 MiB: sizes of weights."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def decode_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
     """Weights one decode step reads: the language model's decoder layers and final norm and the
     lm_head; not the input embedding (a step reads B of its rows) nor a vision tower. A mixture of
@@ -60,9 +65,24 @@ def kv_cache_bytes(hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> int
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
 
 
-def needed_bytes(params: int, hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> float:
-    """Weights at `dtype`, the default KV cache and the headroom: what a load needs free."""
-    return (params * dtype.itemsize + kv_cache_bytes(hf_config, runtime, dtype)) * HEADROOM
+def weight_copies(runtime: RuntimeConfig, device: torch.device) -> float:
+    """How many whole models' weights one memory holds under tensor parallelism. A rank with
+    runtime.tp_weights=whole holds the whole model beside its slices (1 + 1/N); with shard, its
+    slices (1/N; the replicated embedding, norms and vision tower put it a little above). A GPU
+    holds one rank's; a CPU host every rank's."""
+    world = runtime.world_size
+    if world <= 1:
+        return 1.0
+    per_rank = 1 / world if runtime.tp_weights == "shard" else 1 + 1 / world
+    return per_rank if device.type == "cuda" else per_rank * world
+
+
+def needed_bytes(
+    params: int, hf_config, runtime: RuntimeConfig, dtype: torch.dtype, copies: float = 1.0
+) -> float:
+    """Weights at `dtype` (`copies` of them), the default KV cache and the headroom: what a load
+    needs free."""
+    return (params * dtype.itemsize * copies + kv_cache_bytes(hf_config, runtime, dtype)) * HEADROOM
 
 
 def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[torch.dtype, str | None]:
@@ -83,16 +103,25 @@ def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[
 def check_fits(
     params: int, hf_config, runtime: RuntimeConfig, model_name: str, dtype: torch.dtype, device
 ) -> None:
-    need = needed_bytes(params, hf_config, runtime, dtype)
+    copies = weight_copies(runtime, device)
+    need = needed_bytes(params, hf_config, runtime, dtype, copies)
     free = free_bytes(device)
     if need > free:
-        half = needed_bytes(params, hf_config, runtime, torch.bfloat16)
-        hint = (
-            f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
-            if dtype.itemsize > 2 and half <= free
-            else ("fewer layers (model.model_kwargs...num_hidden_layers) or a smaller runtime.kv_cache_mb")
+        half = needed_bytes(params, hf_config, runtime, torch.bfloat16, copies)
+        sliced = runtime.world_size > 1 and runtime.tp_weights == "whole"
+        if dtype.itemsize > 2 and half <= free:
+            hint = f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
+        elif sliced:
+            hint = "runtime.tp_weights=shard (each rank allocates only its slices)"
+        else:
+            hint = "fewer layers (model.model_kwargs...num_hidden_layers) or a smaller runtime.kv_cache_mb"
+        ranks = (
+            f", {copies:.2g}x the weights for {runtime.world_size} ranks with runtime.tp_weights={runtime.tp_weights}"
+            if copies != 1
+            else ""
         )
         raise ConfigError(
             f"model={model_name} needs about {need / 1e9:.1f} GB ({params / 1e9:.2f} B parameters in "
-            f"{str(dtype).removeprefix('torch.')} + KV cache), and {device.type} has {free / 1e9:.1f} GB free; use {hint}"
+            f"{str(dtype).removeprefix('torch.')}{ranks} + KV cache), and {device.type} has {free / 1e9:.1f} GB "
+            f"free; use {hint}"
         )

@@ -43,7 +43,13 @@ def run(state: RunState) -> StageResult:
         state.check_calls = {"image": examples.image}
         notes.append("the full graph takes the image call's inputs; text-only calls need their own export")
 
-    state.reference = correctness.reference_outputs(state.model, state.check_calls)
+    if state.deferred is None:
+        state.reference = correctness.reference_outputs(state.model, state.check_calls)
+    else:
+        notes.append(
+            "runtime.tp_weights=shard: the language model's linears are placeholders until the shard "
+            "transform fills this rank's slices, so there is no eager result to check against"
+        )
     try:
         model, state.captured = graph_capture.capture(
             state.model, paths, capture_call, state.model_info.position_offset
@@ -75,7 +81,7 @@ def run(state: RunState) -> StageResult:
     if paths != [""]:
         result.notes.append(f"stays eager: {', '.join(graph_capture.eager_parts(model, paths))}")
 
-    checks = correctness.check(state, "export", result)
+    checks = correctness.check(state, "export", result) if state.reference is not None else []
     summary = state.run_dir / "export" / "summary.json"
     summary.write_text(json.dumps(_summary(state), indent=2))
     result.artifacts.append(summary)

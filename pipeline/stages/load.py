@@ -4,12 +4,16 @@ image processor)."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from pipeline.graphs import find_language_models
 from pipeline.models import build, checkpoint, meta, probe, zoo
+from pipeline.models.deferred import DeferredWeights
 from pipeline.models.images import checkpoint_image_processor
 from pipeline.models.inputs import make_example_inputs
-from pipeline.models.memory import decode_weight_bytes, human_count
+from pipeline.models.memory import decode_weight_bytes, human_bytes, human_count
 from pipeline.models.tokenizer import load_tokenizer
+from pipeline.parallel import tensor_parallel
 from pipeline.runtime.requests import Sources
 from pipeline.state import ModelInfo, RunState, StageResult
 
@@ -20,16 +24,31 @@ def run(state: RunState) -> StageResult:
     model_cfg = state.cfg.model
     model_cls = zoo.resolve_model_class(model_cfg, state.hf_config)
     notes, metrics = [], {}
+    skeleton = meta.meta_model(model_cls, state.hf_config)
+    if state.cfg.runtime.tp_weights == "shard" and tensor_parallel()[1] > 1:
+        state.deferred = DeferredWeights()
     if model_cfg.checkpoint and model_cfg.skip_loading_weights is not True:
-        model, report = checkpoint.load(
-            model_cls,
-            model_cfg.checkpoint,
-            state.hf_config,
-            state.dtype,
-            state.device,
-            model_cfg.trust_remote_code,
-            model_cfg.attn_implementation,
-        )
+        if state.deferred is not None:
+            model, report = checkpoint.load_slices(
+                model_cls,
+                model_cfg.checkpoint,
+                state.hf_config,
+                state.dtype,
+                state.device,
+                model_cfg.attn_implementation,
+                _to_shard(skeleton, state.hf_config),
+                state.deferred,
+            )
+        else:
+            model, report = checkpoint.load(
+                model_cls,
+                model_cfg.checkpoint,
+                state.hf_config,
+                state.dtype,
+                state.device,
+                model_cfg.trust_remote_code,
+                model_cfg.attn_implementation,
+            )
         source = model_cfg.checkpoint
         metrics["model/unused_checkpoint_weights"] = len(report.unexpected)
         if report.unexpected:
@@ -42,13 +61,22 @@ def run(state: RunState) -> StageResult:
             state.device,
             state.cfg.seed,
             model_cfg.attn_implementation,
+            defer=_to_shard(skeleton, state.hf_config) if state.deferred is not None else None,
+            deferred=state.deferred,
         )
         source = f"random (seed {state.cfg.seed})" + (
             f", config from {model_cfg.checkpoint}" if model_cfg.checkpoint else ""
         )
     state.model = model
     lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
-    skeleton = meta.meta_model(model_cls, state.hf_config)
+    if state.deferred is not None:
+        whole = sum(
+            p.numel() * state.dtype.itemsize for p in {id(p): p for p in skeleton.parameters()}.values()
+        )
+        notes.append(
+            f"runtime.tp_weights=shard: {human_bytes(report.bytes)} of the whole {human_bytes(whole)} allocated; "
+            "the linears the shard transform splits get only this rank's slice"
+        )
     state.sources = Sources(
         load_tokenizer(model_cfg.checkpoint), checkpoint_image_processor(model_cfg.checkpoint), skeleton
     )
@@ -95,3 +123,26 @@ def run(state: RunState) -> StageResult:
             *notes,
         ],
     )
+
+
+def _to_shard(skeleton: nn.Module, hf_config) -> build.DeferWhere:
+    """runtime.tp_weights=shard: which parameters load leaves as placeholders for the shard
+    transform: those of every linear in the language model that gets captured (the whole model of a
+    text model) and of the lm_head, not one an embedding shares (the embedding runs before export).
+    The vision tower runs whole before export and stays whole."""
+    paths = find_language_models(skeleton, zoo.text_config_of(hf_config)) if zoo.is_vlm(hf_config) else [""]
+    embedded = {id(m.weight) for m in skeleton.modules() if isinstance(m, nn.Embedding)}
+    tied = {
+        f"{path}.{name}"
+        for path, module in skeleton.named_modules()
+        for name, param in module._parameters.items()
+        if param is not None and id(param) in embedded
+    }
+
+    def defer(path: str, module: nn.Module, name: str) -> bool:
+        if not isinstance(module, nn.Linear) or f"{path}.{name}" in tied:
+            return False
+        inside = any(not lm or path == lm or path.startswith(f"{lm}.") for lm in paths)
+        return inside or path.rsplit(".", 1)[-1] == "lm_head"
+
+    return defer

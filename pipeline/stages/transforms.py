@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pipeline import correctness
 from pipeline.errors import StageFailure
 from pipeline.graphs import find_graphs
+from pipeline.models.memory import human_bytes
 from pipeline.parallel import tensor_parallel
 from pipeline.state import RunState, StageResult
 from pipeline.transforms import registry
@@ -17,7 +18,12 @@ from pipeline.transforms import registry
 def run(state: RunState) -> StageResult:
     transforms = registry.parse(state.cfg.transforms)
     ctx = registry.TransformContext(
-        state.attention, state.cfg.runtime.attn_page_size, state.device, state.hf_config, *tensor_parallel()
+        state.attention,
+        state.cfg.runtime.attn_page_size,
+        state.device,
+        state.hf_config,
+        *tensor_parallel(),
+        weights=state.deferred,
     )
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()
@@ -38,7 +44,18 @@ def run(state: RunState) -> StageResult:
     result.notes += history.table().splitlines()
     if not transforms:
         result.notes.append("no transforms configured (transforms=none)")
-    if any(r.status == "applied" and r.matches for r in history.records):
+    if state.deferred is not None:
+        if left := state.deferred.left(state.model):
+            raise StageFailure(
+                f"{len(left)} weight(s) left unfilled after the transforms ({', '.join(left[:3])}): "
+                "runtime.tp_weights=shard needs transforms.shard to run on [subgraph,model] without skip_on_error"
+            )
+        result.metrics["model/rank_bytes"] = _parameter_bytes(state.model)
+        result.notes.append(
+            f"runtime.tp_weights=shard: this rank holds {human_bytes(result.metrics['model/rank_bytes'])} "
+            "of weights; no eager model to check against (tests compare the ranks' tokens with one process's)"
+        )
+    elif any(r.status == "applied" and r.matches for r in history.records):
         if cause := correctness.failure(correctness.check(state, "transforms", result)):
             raise StageFailure(cause)
     else:
@@ -61,3 +78,9 @@ def _report(state: RunState, history: registry.TransformHistory, result: StageRe
     for name in {r.transform for r in history.records}:
         result.metrics[f"transform/{name}/matches"] = history.matches(name)
     result.metrics["transform/apply_s"] = sum(r.seconds for r in history.records)
+
+
+def _parameter_bytes(model) -> int:
+    """What the model's parameters occupy (a tensor held twice counted once)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())

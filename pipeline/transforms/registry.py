@@ -26,6 +26,7 @@ from torch import fx, nn
 
 from pipeline.errors import ConfigError
 from pipeline.graphs import find_graphs
+from pipeline.models.deferred import DeferredWeights
 
 SCOPES = ("subgraph", "model")  # also the order in which a transform's scopes run
 
@@ -50,6 +51,8 @@ class TransformContext:
     rank: int = 0
     world_size: int = 1
     group_name: str = ""
+    # runtime.tp_weights=shard: the placeholders load left (models/deferred.py), filled by shard
+    weights: DeferredWeights | None = None
 
 
 class Transform:

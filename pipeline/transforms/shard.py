@@ -40,6 +40,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops named below)
+from pipeline.models.deferred import DeferredWeights
 from pipeline.transforms.graph import aten, finish, is_op
 from pipeline.transforms.registry import Transform, TransformConfig, TransformContext, eager_modules, register
 
@@ -91,15 +92,22 @@ class VocabParallelLinear(nn.Module):
     and an all-gather gives every rank all V (sampling reads them whole). `local` is an nn.Linear,
     so onednn_linear and bf16_gemv still route it to their kernels."""
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int, group_name: str):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        rank: int,
+        world: int,
+        group_name: str,
+        weights: DeferredWeights | None = None,
+    ):
         super().__init__()
         rows = linear.out_features // world
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.world, self.group_name = world, group_name
         self.local = nn.Linear(linear.in_features, rows, bias=linear.bias is not None, device="meta")
-        self.local.weight = _rows(linear.weight, rank, rows)  # [V/N, K]
+        self.local.weight = rank_part(linear.weight, 0, rank, world, weights)  # [V/N, K]
         if linear.bias is not None:
-            self.local.bias = _rows(linear.bias, rank, rows)
+            self.local.bias = rank_part(linear.bias, 0, rank, world, weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.local(x)  # x: [B, S, K] -> [B, S, V/N]
@@ -108,8 +116,17 @@ class VocabParallelLinear(nn.Module):
         return gathered.movedim(0, -1)  # [V, B, S] -> [B, S, V]
 
 
-def _rows(whole: torch.Tensor, rank: int, rows: int) -> nn.Parameter:
-    return nn.Parameter(whole.narrow(0, rank * rows, rows).contiguous().clone(), requires_grad=False)
+def rank_part(
+    whole: torch.Tensor, dim: int, rank: int, world: int, weights: DeferredWeights | None
+) -> nn.Parameter:
+    """The rank's contiguous 1/world of a parameter along dim, a tensor of its own: cut from the
+    whole, or, where load left a placeholder (runtime.tp_weights=shard), filled as that slice alone."""
+    size = whole.shape[dim] // world
+    if weights is not None and weights.recipe(whole) is not None:
+        part = weights.slice(whole, dim, rank * size, size)
+    else:
+        part = whole.narrow(dim, rank * size, size).contiguous().clone()
+    return nn.Parameter(part, requires_grad=False)
 
 
 @dataclass
@@ -283,13 +300,21 @@ class Shard(Transform):
                 path = _weight_name(head).removesuffix(".weight")
                 self.sharded.append(f"vocab-parallel {path} ({rows} rows) + all_gather")
         finish(gm)
+        if ctx.weights is not None:  # what no region split: whole
+            ctx.weights.materialize_rest(gm)
         return len(self.sharded)
 
     def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
-        """The eager lm_head (a captured language model's parent holds it), vocab-parallel."""
+        """The eager lm_head (a captured language model's parent holds it), vocab-parallel; then any
+        placeholder load left in the eager parts, filled whole."""
         self._left, self.sharded = [], []
-        if ctx.world_size < 2 or self.config.lm_head is LmHead.replicated:
-            return 0
+        if ctx.world_size >= 2 and self.config.lm_head is LmHead.vocab_parallel:
+            self._vocab_parallel_heads(model, ctx)
+        if ctx.weights is not None:
+            ctx.weights.materialize_rest(model)
+        return len(self.sharded)
+
+    def _vocab_parallel_heads(self, model: nn.Module, ctx: TransformContext) -> None:
         heads = [
             (path, module)
             for path, module in eager_modules(model)
@@ -301,9 +326,10 @@ class Shard(Transform):
                     f"{path}: {head.out_features} rows do not divide by world_size {ctx.world_size}"
                 )
                 continue
-            model.set_submodule(path, VocabParallelLinear(head, ctx.rank, ctx.world_size, ctx.group_name))
+            model.set_submodule(
+                path, VocabParallelLinear(head, ctx.rank, ctx.world_size, ctx.group_name, ctx.weights)
+            )
             self.sharded.append(f"vocab-parallel {path} ({head.out_features} rows) + all_gather")
-        return len(self.sharded)
 
     def unmatched(self, gm: fx.GraphModule) -> list[str]:
         return list(self._left)
@@ -325,13 +351,13 @@ class Shard(Transform):
         return None
 
     def _shard(self, gm: fx.GraphModule, region: Region, ctx: TransformContext) -> None:
-        rank, world = ctx.rank, ctx.world_size
+        world = ctx.world_size
         for linear in region.opening:
-            _slice_parameter(gm, linear.args[1], 0, rank, world)
+            _slice_parameter(gm, linear.args[1], 0, ctx)
             if len(linear.args) > 2 and isinstance(linear.args[2], fx.Node):
-                _slice_parameter(gm, linear.args[2], 0, rank, world)
+                _slice_parameter(gm, linear.args[2], 0, ctx)
         closing = region.closing
-        _slice_parameter(gm, closing.args[1], 1, rank, world)
+        _slice_parameter(gm, closing.args[1], 1, ctx)
         # A reshape that named the head count ([B, S, H, D]) or the heads' width ([B, S, H*D]) in
         # dim 2 takes the rank's share: -1, or its 1/N beside another -1
         for node in region.inner:
@@ -367,9 +393,9 @@ def _is_lm_head(weight_name: str) -> bool:
 def _vocab_parallel(gm: fx.GraphModule, head: fx.Node, ctx: TransformContext) -> None:
     """The graph's lm_head as VocabParallelLinear computes it: the rank's rows, then an all-gather
     of the logits with the vocabulary moved first (all_gather_into_tensor stacks along dim 0)."""
-    _slice_parameter(gm, head.args[1], 0, ctx.rank, ctx.world_size)
+    _slice_parameter(gm, head.args[1], 0, ctx)
     if len(head.args) > 2 and isinstance(head.args[2], fx.Node):
-        _slice_parameter(gm, head.args[2], 0, ctx.rank, ctx.world_size)
+        _slice_parameter(gm, head.args[2], 0, ctx)
     ndim = head.meta["val"].dim()
     graph = gm.graph
     with graph.inserting_after(head):  # [..., V/N] -> [V/N, ...]
@@ -389,15 +415,14 @@ def _vocab_parallel(gm: fx.GraphModule, head: fx.Node, ctx: TransformContext) ->
     _propagate([head, *added])
 
 
-def _slice_parameter(gm: fx.GraphModule, get_attr: fx.Node, dim: int, rank: int, world: int) -> None:
-    """The rank's contiguous 1/world of a parameter along dim, as a new parameter of its own (the
-    eager module that shared the whole one keeps it: the correctness reference)."""
+def _slice_parameter(gm: fx.GraphModule, get_attr: fx.Node, dim: int, ctx: TransformContext) -> None:
+    """The graph's parameter replaced by the rank's part of it, a parameter of its own (the eager
+    module that shared the whole one keeps it: the correctness reference)."""
     owner_path, _, leaf = str(get_attr.target).rpartition(".")
     owner = gm.get_submodule(owner_path)
-    whole = owner._parameters[leaf]
-    size = whole.shape[dim] // world
-    part = whole.narrow(dim, rank * size, size).contiguous().clone()
-    owner._parameters[leaf] = nn.Parameter(part, requires_grad=False)
+    part = owner._parameters[leaf] = rank_part(
+        owner._parameters[leaf], dim, ctx.rank, ctx.world_size, ctx.weights
+    )
     value = get_attr.meta.get("val")
     if hasattr(value, "fake_mode"):
         get_attr.meta["val"] = value.fake_mode.from_tensor(part, static_shapes=True)

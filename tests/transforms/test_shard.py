@@ -72,6 +72,51 @@ def _generate_sharded_then_whole(rank: int, overrides: list[str]) -> dict:
     return dict(tokens=tokens, sharded=sharded, reference=reference, unsharded=unsharded)
 
 
+def _held_bytes(model: torch.nn.Module) -> int:
+    return sum(
+        {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values()
+    )
+
+
+def _slices_then_whole(rank: int, overrides: list[str]) -> dict:
+    """Both ranks run the stages holding only their slices (runtime.tp_weights=shard); then rank
+    0, alone, the same model whole."""
+    shard = [*overrides, "runtime.tp_weights=shard"]
+    with prepared(shard, torch.float32, torch.device("cpu"), STAGES) as state:
+        ran = dict(
+            tokens=generated_tokens(state.run_dir),
+            loaded=state.model_info.bytes,  # what load allocated
+            filled=state.deferred.filled_bytes,  # what the shard transform filled
+            deferred=state.deferred.whole_bytes(),  # what it would have filled whole
+            placeholders=len(state.deferred)
+            * state.dtype.itemsize,  # one element each, still held by load's modules
+            held=_held_bytes(state.model),
+        )
+    dist.destroy_process_group()
+    if rank == 0:
+        with prepared(overrides, torch.float32, torch.device("cpu"), STAGES) as state:
+            ran |= dict(reference=generated_tokens(state.run_dir), whole=_held_bytes(state.model))
+    return ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f"tiny_{seed}" for seed in SEED_MODELS])
+def test_ranks_holding_only_their_slices_generate_one_process_tokens(name):
+    """runtime.tp_weights=shard: the language model's linears are never allocated whole on a rank,
+    only the slices it keeps (and whole, the ones no region splits); the tokens are one process's."""
+    overrides = [f"model={name}", "capture=partial", "backend=torch-simple", "prompt.output_len=8"]
+    ranks = spawn(_slices_then_whole, overrides)
+    whole, reference = ranks[0]["whole"], ranks[0]["reference"]
+    assert reference and all(len(t) == 8 for t in reference.values())
+    for rank in ranks:
+        assert rank["tokens"] == reference, (rank["rank"], rank["tokens"], reference)
+        # the rank filled far less than the deferred weights whole (its slices, and whole only the
+        # weights no region splits), and holds all it filled (nothing filled whole to be cut)
+        assert rank["filled"] < 0.75 * rank["deferred"], rank
+        assert rank["loaded"] + rank["filled"] <= rank["held"] + rank["placeholders"], rank
+        assert rank["held"] < whole, (rank["held"], whole)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_gemma3"])
 def test_dense_layers_split_in_two_with_the_eager_logits(name):
