@@ -7,7 +7,7 @@ PINNED := .ci/pinned.txt
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-latest bench bench-tp sweep ui lint clean
+.PHONY: setup run test test-all test-latest bench bench-tp sweep ui lint clean
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,12 @@ run: setup
 	$(PY) -m pipeline model=mistral3 capture=partial $(ARGS)
 
 # Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute.
+# `make test`: every test not marked slow (under 20 min on 2 cores); `make test-all`: the whole
+# suite, slow ones included (whole runs, sweeps, ranks, the browser, the bench): what CI runs.
 test: setup
+	$(PY) -m pytest -q -n 2 -m "not slow" $(ARGS)
+
+test-all: setup
 	$(PY) -m pytest -q -n 2 $(ARGS)
 
 # The suite against the newest releases pyproject.toml admits, in a venv of their own: no pinned set,

@@ -1,4 +1,4 @@
-"""The bench code runs on a tiny configuration and writes well-formed results: rounds, per-round
+"""The bench code runs on tiny configurations and writes well-formed results: rounds, per-round
 ratios with their spread, noisy flags (no timing asserted)."""
 
 from __future__ import annotations
@@ -9,21 +9,27 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 
-from pipeline.bench import compare
+import pipeline.bench.__main__ as bench
+from pipeline.bench import compare, decode, engine_work, pipeline_run
 from pipeline.kernels import cpu_gemv
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_runs_on_a_tiny_model(tmp_path):
+def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
+    """`python -m pipeline.bench` as a user runs it, on a part of its blocks (the others run in
+    process below, each a test of its own: one run of every block passed 300 s under CI's load)."""
     output = tmp_path / "BENCH.md"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "pipeline.bench",
+            "--rows",
+            "load,export,decode,prefill",
             "--model",
             "tiny_mistral3",
             "--repeats",
@@ -32,115 +38,150 @@ def test_bench_runs_on_a_tiny_model(tmp_path):
             "1,2",
             "--decode-steps",
             "2",
-            "--backend-steps",
-            "2",
-            "--backend-repeats",
-            "2",
             "--prompt-len",
             "16",
-            "--small-model",
-            "tiny_llama3_1_8b",
-            "--small-moe-model",
-            "tiny_qwen3_moe",
-            "--moe-model",
-            "tiny_llama4_scout",
-            "--moe-prompt-len",
-            "8",
-            "--moe-batches",
-            "1,2",
             "--prefill-tokens",
             "16,32",
-            "--run-repeats",
-            "2",
             "--load-rounds",
             "2",
             "--output",
             str(output),
-            "--plot",
-            str(tmp_path / "bench.png"),
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(output.with_suffix(".json").read_text())
     assert results["model"] == "tiny_mistral3"
+    assert results["rows"] == ["load", "export", "decode", "prefill"]
+    assert not {"backends", "engine_work", "run"} & set(results)
     load = results["load"]
     assert load["params"] > 0 and all(is_spread(load[k], 2) for k in ("ours_s", "hf_init_s", "speedup"))
     assert results["machine_load"]["other_cores"] >= 0 and "loadavg_1m" in results["machine_load"]["start"]
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
+    assert "A part of the bench: `--rows load,export,decode,prefill`" in text
     assert "| load, random init" in text and "| export of `model.language_model`" in text
+    for left_out in ("## Decode per backend", "## Host work per decode step", "## Whole run", "# On a GPU"):
+        assert left_out not in text, left_out
     assert [(d["model"], d["dtype"]) for d in results["decode"]] == [
-        ("tiny_mistral3", "float32"), ("tiny_mistral3", "bfloat16"), ("tiny_llama4_scout", "bfloat16")
+        ("tiny_mistral3", "float32"), ("tiny_mistral3", "bfloat16")
     ]  # fmt: skip
-    for decode in results["decode"]:
-        assert [r["batch"] for r in decode["rows"]] == [1, 2] and is_spread(decode["read_limit_gbs"], 2)
-        # demollm again with F.linear in place of the linear kernels (onednn_linear in float32,
-        # bf16_gemv in bfloat16), the MoE model with Hugging Face's all-experts form in place of the
-        # routed experts
-        kernel = decode["dtype"] == "float32" or not cpu_gemv.unsupported()
-        runners = ["HF eager", "demollm"] + (["demollm F.linear"] if kernel else [])
-        moe = decode["model"] == "tiny_llama4_scout"
-        runners += ["demollm all experts"] if moe else []
-        # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.
-        for row in decode["rows"]:
-            assert is_spread(row["gemv_pass_gbs"], 2)
-            # routed experts only: fewer bytes than every expert (4 experts, top 1, batch <= 2)
-            assert (0 < row["routed_bytes"] < decode["weight_bytes"]) if moe else "routed_bytes" not in row
-            assert [r["runner"] for r in row["runners"]] == runners
-            hf, *ours = row["runners"]
-            for runner in row["runners"]:
-                for key in ("decode_ms", "pct_of_read", "pct_of_gemv", "gbs"):
-                    assert is_spread(runner[key], 2), (runner["runner"], key)
-                assert isinstance(runner["noisy"], bool)
-            assert all(is_spread(r["vs_reference"], 2) for r in ours) and "vs_reference" not in hf
-            assert set(hf["noisy_figures"]) <= {"pct_of_read", "pct_of_gemv"}
-        assert f"## Decode, `model={decode['model']}` ({decode['dtype']}, CPU" in text
-    # every decode runner's line: median (p10-p90) cells for the step time, the ratio and the percents
-    decode_lines = [
-        line
-        for line in text.splitlines()
-        if any(f"| {r} |" in line for r in ("HF eager", "demollm", "demollm F.linear", "demollm all experts"))
-    ]
-    assert len(decode_lines) == (20 if not cpu_gemv.unsupported() else 14) and all(
-        line.count("(") >= 3 for line in decode_lines
-    )
-    assert "routed: " in text
-    assert [b["model"] for b in results["backends"]] == ["tiny_llama3_1_8b", "tiny_qwen3_moe"]
-    for backends in results["backends"]:
-        assert [r["runner"] for r in backends["rows"]] == [
-            "HF eager generate",
-            "HF static cache + torch.compile",
-            "demollm torch-simple",
-            "demollm torch-compile",
-            "demollm torch-simple, F.linear",
-        ]
-        assert all(is_spread(r["decode_ms"], 2) and is_spread(r["prefill_ms"], 2) for r in backends["rows"])
-        assert all(is_spread(r["vs_reference"], 2) for r in backends["rows"][1:])
-        assert all(isinstance(r["noisy"], bool) for r in backends["rows"])
-        assert f"## Decode per backend, `model={backends['model']}`" in text
-    assert [(r["backend"], r["batch"]) for r in results["engine_work"]["rows"]] == [
-        ("torch-simple", 1), ("torch-simple", 2), ("torch-cudagraph", 1), ("torch-cudagraph", 2)
-    ]  # fmt: skip
-    assert all(is_spread(r["host_ms"], 5) for r in results["engine_work"]["rows"])
-    assert "## Host work per decode step" in text
+    for result in results["decode"]:
+        block = "\n".join(decode.markdown(result))
+        assert block in text
+        check_decode(result, block, moe=False)
     assert [r["tokens"] for r in results["prefill"]["rows"]] == [16, 32]
     assert all(
         is_spread(r[key], 2)
         for r in results["prefill"]["rows"]
         for key in ("tflops", "gemm_tflops", "pct_of_gemm")
     )
-    run = results["run"]
-    assert "error" not in run and is_spread(run["wall_s"], 2)
-    assert all(is_spread(run["metrics"][k], 2) for k in ("stage/load_s", "profile/overhead_ratio"))
-    assert "## Whole run" in text and "## Prefill" in text
-    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert "## Prefill" in text
+    # a part's figure lies beside its markdown, not over the README's
+    assert results["plot"] == "BENCH.png" and (tmp_path / "BENCH.png").stat().st_size > 10_000
     # the run-to-run comparison reads the results: against itself every ratio holds
     lines, moved = compare.compare(results, results, 10.0)
-    assert moved == [] and sum("| holds |" in line or "NOISY in a run" in line for line in lines) > 10
+    assert moved == [] and sum("| holds |" in line or "NOISY in a run" in line for line in lines) > 5
+
+
+def test_whole_run_rows():
+    run = pipeline_run.bench_pipeline_run(["model=tiny_mistral3", "capture=partial"], 2)
+    assert "error" not in run and is_spread(run["wall_s"], 2)
+    assert all(is_spread(run["metrics"][k], 2) for k in ("stage/load_s", "profile/overhead_ratio"))
+    assert "## Whole run" in "\n".join(pipeline_run.markdown(run))
+
+
+def test_moe_decode_rows_route_fewer_bytes_than_all_experts():
+    result = decode.bench_decode("tiny_llama4_scout", [1, 2], 8, 2, 2, torch.bfloat16)
+    assert (result["model"], result["dtype"]) == ("tiny_llama4_scout", "bfloat16")
+    text = "\n".join(decode.markdown(result))
+    check_decode(result, text, moe=True)
+    assert "routed: " in text
+
+
+def check_decode(result: dict, text: str, moe: bool) -> None:
+    """A decode block of two batches and two rounds: every runner's figures well-formed."""
+    assert [r["batch"] for r in result["rows"]] == [1, 2] and is_spread(result["read_limit_gbs"], 2)
+    # demollm again with F.linear in place of the linear kernels (onednn_linear in float32,
+    # bf16_gemv in bfloat16), the MoE model with Hugging Face's all-experts form in place of the
+    # routed experts
+    kernel = result["dtype"] == "float32" or not cpu_gemv.unsupported()
+    runners = ["HF eager", "demollm"] + (["demollm F.linear"] if kernel else [])
+    runners += ["demollm all experts"] if moe else []
+    # Well-formed numbers only: a tiny model's step-time differences can be noise of either sign.
+    for row in result["rows"]:
+        assert is_spread(row["gemv_pass_gbs"], 2)
+        # routed experts only: fewer bytes than every expert (4 experts, top 1, batch <= 2)
+        assert (0 < row["routed_bytes"] < result["weight_bytes"]) if moe else "routed_bytes" not in row
+        assert [r["runner"] for r in row["runners"]] == runners
+        hf, *ours = row["runners"]
+        for runner in row["runners"]:
+            for key in ("decode_ms", "pct_of_read", "pct_of_gemv", "gbs"):
+                assert is_spread(runner[key], 2), (runner["runner"], key)
+            assert isinstance(runner["noisy"], bool)
+        assert all(is_spread(r["vs_reference"], 2) for r in ours) and "vs_reference" not in hf
+        assert set(hf["noisy_figures"]) <= {"pct_of_read", "pct_of_gemv"}
+    assert f"## Decode, `model={result['model']}` ({result['dtype']}, CPU" in text
+    # every runner's line: median (p10-p90) cells for the step time, the ratio and the percents
+    lines = [line for line in text.splitlines() if any(f"| {r} |" in line for r in runners)]
+    assert len(lines) == 2 * len(runners) and all(line.count("(") >= 3 for line in lines)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama3_1_8b", "tiny_qwen3_moe"])
+def test_backend_rows(name):
+    result = decode.bench_backends(
+        name, 1, 16, 2, 2, torch.device("cpu"), torch.float32, bench.CPU_BACKENDS, f_linear=["torch-simple"]
+    )
+    assert result["model"] == name
+    assert [r["runner"] for r in result["rows"]] == [
+        "HF eager generate",
+        "HF static cache + torch.compile",
+        "demollm torch-simple",
+        "demollm torch-compile",
+        "demollm torch-simple, F.linear",
+    ]
+    assert all(is_spread(r["decode_ms"], 2) and is_spread(r["prefill_ms"], 2) for r in result["rows"])
+    assert all(is_spread(r["vs_reference"], 2) for r in result["rows"][1:])
+    assert all(isinstance(r["noisy"], bool) for r in result["rows"])
+    assert f"## Decode per backend, `model={name}`" in "\n".join(
+        decode.backends_markdown(result, bench.CPU_TARGET)
+    )
+
+
+def test_engine_work_rows():
+    result = engine_work.bench_engine_work("tiny_mistral3", [1, 2], bench.ENGINE_WORK_BACKENDS)
+    assert [(r["backend"], r["batch"]) for r in result["rows"]] == [
+        ("torch-simple", 1), ("torch-simple", 2), ("torch-cudagraph", 1), ("torch-cudagraph", 2)
+    ]  # fmt: skip
+    assert all(is_spread(r["host_ms"], 5) for r in result["rows"])
+    assert "## Host work per decode step" in "\n".join(engine_work.markdown(result))
+
+
+def test_render_of_the_recorded_full_run_shows_every_block(tmp_path):
+    """BENCHMARKS.json, a full run of this machine: every block's section, the notes, the figure."""
+    results = json.loads((REPO_ROOT / "BENCHMARKS.json").read_text())
+    text = bench.markdown(results["model"], results, None)
+    for section in ("## Pipeline overhead", "## Decode, ", "## Decode per backend", "## Host work per decode step",
+                    "## Prefill", "## Whole run"):  # fmt: skip
+        assert section in text, section
+    assert "A part of the bench" not in text and bench.NOTES.read_text().strip()[:200] in text
+    assert bench.plot(results, tmp_path / "full.png") and (tmp_path / "full.png").stat().st_size > 10_000
+    lines, moved = compare.compare(results, results, 10.0)
+    assert moved == [] and len(lines) > 20
+
+
+def test_a_part_of_the_bench_is_checked_before_it_runs(tmp_path):
+    with pytest.raises(SystemExit, match="unknown block.*'decod'.*choose from load,export"):
+        bench.parse_rows("decod,prefill", tmp_path / "x.md")
+    with pytest.raises(SystemExit, match="pass --output FILE.md"):
+        bench.parse_rows("prefill", REPO_ROOT / "BENCHMARKS.md")
+    assert bench.parse_rows("prefill,decode", tmp_path / "x.md") == ["decode", "prefill"]
+    assert bench.parse_rows(",".join(bench.ROWS), REPO_ROOT / "BENCHMARKS.md") == list(bench.ROWS)
+    assert bench.plot_path(None, ["prefill"], tmp_path / "x.md") == tmp_path / "x.png"
+    assert bench.plot_path(None, bench.ROWS, REPO_ROOT / "BENCHMARKS.md") == bench.DEFAULT_PLOT
 
 
 def is_spread(value: dict, rounds: int) -> bool:

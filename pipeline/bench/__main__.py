@@ -160,8 +160,38 @@ def gpu_markdown(gpu: dict) -> list[str]:
     return lines
 
 
+def _overhead_markdown(model: str, results: dict) -> list[str]:
+    lines = [
+        f"## Pipeline overhead, `model={model}` (float32, CPU)",
+        "",
+        "| step | ours | reference | target | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    if "load" in results:
+        load = results["load"]
+        hf = (
+            f"{_spread_or_value(load['hf_init_s'], 1, ' s')} (Hugging Face init)"
+            if "hf_init_s" in load
+            else "not measured"
+        )
+        speedup = load.get("speedup")
+        per_round = " (per round)" if isinstance(speedup, dict) else ""
+        ratio = f"{_spread_or_value(speedup, 1, 'x')} faster{per_round}" if speedup is not None else "-"
+        lines.append(
+            f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
+            f"< {load['target_s']:.0f} s | {ratio} |"
+        )
+    if "export" in results:
+        export = results["export"]
+        lines.append(
+            f"| export of `{export['submodule']}` | {rounds.shown(export['export_s'], 1, ' s')} | - | - | - |"
+        )
+    return lines
+
+
 def markdown(model: str, results: dict, gpu: dict | None) -> str:
-    load, export, info = results["load"], results["export"], results["machine"]
+    """BENCHMARKS.md from a run's results; a block `--rows` left out is left out here too."""
+    partial = "rows" in results and set(results["rows"]) != set(ROWS)  # notes, TP and GPU rows left out below
     lines = [
         "# Benchmarks",
         "",
@@ -170,45 +200,31 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         "to a limit) is taken within a round, where the machine's drift is shared (pipeline/bench/"
         "rounds.py). A row marked NOISY spread too wide to be a result.",
         "",
-        _header(info, results["date"]),
+        _header(results["machine"], results["date"]),
         "",
         _load_line(results["machine_load"]),
-        "",
-        f"## Pipeline overhead, `model={model}` (float32, CPU)",
-        "",
-        "| step | ours | reference | target | ratio |",
-        "|---|---|---|---|---|",
     ]
-    hf = (
-        f"{_spread_or_value(load['hf_init_s'], 1, ' s')} (Hugging Face init)"
-        if "hf_init_s" in load
-        else "not measured"
-    )
-    speedup = load.get("speedup")
-    per_round = " (per round)" if isinstance(speedup, dict) else ""
-    ratio = f"{_spread_or_value(speedup, 1, 'x')} faster{per_round}" if speedup is not None else "-"
-    lines.append(
-        f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
-        f"< {load['target_s']:.0f} s | {ratio} |"
-    )
-    lines.append(
-        f"| export of `{export['submodule']}` | {rounds.shown(export['export_s'], 1, ' s')} | - | - | - |"
-    )
-    for result in results["decode"]:
+    if partial:
+        lines += ["", f"A part of the bench: `--rows {','.join(results['rows'])}`."]
+    if "load" in results or "export" in results:
+        lines += ["", *_overhead_markdown(model, results)]
+    for result in results.get("decode", []):
         lines += ["", *decode.markdown(result)]
-    for result in results["backends"]:
+    for result in results.get("backends", []):
         lines += ["", *decode.backends_markdown(result, CPU_TARGET)]
     if "engine_work" in results:
         lines += ["", *engine_work.markdown(results["engine_work"])]
-    lines += ["", *prefill.markdown(results["prefill"])]
-    lines += ["", *pipeline_run.markdown(results["run"])]
+    if "prefill" in results:
+        lines += ["", *prefill.markdown(results["prefill"])]
+    if "run" in results:
+        lines += ["", *pipeline_run.markdown(results["run"])]
     if results.get("plot"):
         lines += ["", f"![benchmarks]({results['plot']})"]
-    if tensor_parallel.RESULTS.exists():  # `make bench-tp`, a run of its own
+    if tensor_parallel.RESULTS.exists() and not partial:  # `make bench-tp`, a run of its own
         lines += ["", tensor_parallel.markdown(json.loads(tensor_parallel.RESULTS.read_text())).strip()]
-    if NOTES.exists():  # the analysis of these rows: what was fixed, what limits the rest
+    if NOTES.exists() and not partial:  # the analysis of these rows: what was fixed, what limits the rest
         lines += ["", NOTES.read_text().strip()]
-    if gpu:
+    if gpu and not partial:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
 
@@ -221,10 +237,12 @@ def _spread_or_value(value, digits: int, unit: str) -> str:
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
 NOTES = Path(__file__).with_name("notes.md")
+DEFAULT_PLOT = REPO_ROOT / "outputs" / "readme" / "benchmarks.png"
 
 
-def plot(results: dict, path: Path) -> None:
-    """Decode per runner (x HF eager, per model) and the percent-of-limit rows, side by side."""
+def plot(results: dict, path: Path) -> bool:
+    """Decode per runner (x HF eager, per model) and the percent-of-limit rows, side by side; False
+    when the results hold neither (nothing drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +252,7 @@ def plot(results: dict, path: Path) -> None:
 
     rows = [
         {"model": b["model"], "runner": r["runner"], "x HF eager": r["vs_reference"]["median"]}
-        for b in results["backends"]
+        for b in results.get("backends", [])
         for r in b["rows"]
         if "vs_reference" in r
     ]
@@ -243,24 +261,56 @@ def plot(results: dict, path: Path) -> None:
             "row": f"{decode.label(results, d)} b{r['batch']} {runner['runner']}",
             "% of limit": runner["pct_of_gemv"]["median"],
         }
-        for d in results["decode"]
+        for d in results.get("decode", [])
         for r in d["rows"]
         for runner in r["runners"]
     ] + [
         {"row": f"prefill {r['tokens']}", "% of limit": r["pct_of_gemm"]["median"]}
-        for r in results["prefill"]["rows"]
+        for r in results.get("prefill", {}).get("rows", [])
     ]
+    panels = [
+        (rows, "decode step time, x Hugging Face eager per round, median (lower is faster)"),
+        (limits, "% of the round's limit, median\n(decode: GEMV pass; prefill: GEMM)"),
+    ]
+    panels = [(pd.DataFrame(data), title) for data, title in panels if data]  # a part of the bench: fewer
+    if not panels:
+        return False
     sns.set_theme(style="whitegrid")
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    sns.barplot(pd.DataFrame(rows), y="runner", x="x HF eager", hue="model", ax=axes[0], orient="h")
-    axes[0].axvline(1.0, color="#333", linewidth=0.8)
-    axes[0].set_title("decode step time, x Hugging Face eager per round, median (lower is faster)")
-    sns.barplot(pd.DataFrame(limits), y="row", x="% of limit", ax=axes[1], orient="h", color="#4c72b0")
-    axes[1].set_title("% of the round's limit, median\n(decode: GEMV pass; prefill: GEMM)")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (data, title) in zip(axes[0], panels, strict=True):
+        if "x HF eager" in data:
+            sns.barplot(data, y="runner", x="x HF eager", hue="model", ax=ax, orient="h")
+            ax.axvline(1.0, color="#333", linewidth=0.8)
+        else:
+            sns.barplot(data, y="row", x="% of limit", ax=ax, orient="h", color="#4c72b0")
+        ax.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
+
+
+ROWS = ("load", "export", "decode", "moe", "backends", "engine_work", "prefill", "run")
+
+
+def parse_rows(text: str, output: Path) -> list[str]:
+    """The blocks `--rows` names, checked before anything is measured; a part of the bench may not
+    overwrite the full table in BENCHMARKS.md."""
+    rows = [r for r in text.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown or not rows:
+        raise SystemExit(f"--rows: unknown block(s) {unknown or [text]}; choose from {','.join(ROWS)}")
+    if set(rows) != set(ROWS) and output.resolve() == (REPO_ROOT / "BENCHMARKS.md").resolve():
+        raise SystemExit(
+            "--rows measures a part of the bench: pass --output FILE.md (BENCHMARKS.md holds the full table)"
+        )
+    return [r for r in ROWS if r in rows]
+
+
+def plot_path(given: Path | None, rows, output: Path) -> Path:
+    """--plot, else the README's figure for the full bench and FILE.png beside a part's FILE.md."""
+    return given or (DEFAULT_PLOT if set(rows) == set(ROWS) else output.with_suffix(".png"))
 
 
 def in_child(fn, *args):
@@ -329,11 +379,20 @@ def main() -> None:
         action="store_true",
         help="measure nothing: write the markdown and the plot again from the output's .json (after editing notes.md)",
     )
-    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "outputs" / "readme" / "benchmarks.png")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help=f"default: {DEFAULT_PLOT.relative_to(REPO_ROOT)}, for a part of the bench FILE.png",
+    )
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help=f"the blocks to measure, comma-separated, of {','.join(ROWS)} (a part of them needs --output)",
+    )
     args = parser.parse_args()
     if args.render:
         results = json.loads(args.output.with_suffix(".json").read_text())
-        plot(results, args.plot)
+        plot(results, plot_path(args.plot, results.get("rows", ROWS), args.output))
         gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
         args.output.write_text(markdown(results["model"], results, gpu))
         return
@@ -358,48 +417,40 @@ def main() -> None:
             GPU_RESULTS.write_text(json.dumps(gpu, indent=2))  # each model as soon as it is done
         print("\n".join(gpu_markdown(gpu)))
         return
+    rows = parse_rows(args.rows, args.output)
     batches = [int(b) for b in args.decode_batches.split(",")]
     # First, while this process holds no model: the whole run (its memory check must see the
     # machine's free memory) and the read bandwidth.
-    whole_run = pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"], args.run_repeats)
+    whole_run = (
+        pipeline_run.bench_pipeline_run([f"model={args.model}", "capture=partial"], args.run_repeats)
+        if "run" in rows
+        else None
+    )
     load_start = machine_load()
+    results = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": args.model, "rows": rows}
     with MachineLoad() as busy:  # other processes' CPU time while the rows run
-        results = {
-            "machine": machine(),
-            "date": time.strftime("%Y-%m-%d"),
-            "model": args.model,
-            "load": bench_load(args.model, args.load_rounds, not args.no_reference),
-            "export": bench_export(args.model, args.repeats),
-            "decode": [
-                in_child(
-                    decode.bench_decode,
-                    args.model,
-                    batches,
-                    args.prompt_len,
-                    args.decode_steps,
-                    args.repeats,
-                    getattr(torch, d),
-                )  # fmt: skip
-                for d in args.decode_dtypes.split(",")
+        if "load" in rows:
+            results["load"] = bench_load(args.model, args.load_rounds, not args.no_reference)
+        if "export" in rows:
+            results["export"] = bench_export(args.model, args.repeats)
+        decodes = [
+            (args.model, batches, args.prompt_len, getattr(torch, d)) for d in args.decode_dtypes.split(",")
+        ]
+        moe = [int(b) for b in args.moe_batches.split(",")]
+        decodes = (decodes if "decode" in rows else []) + (
+            [(args.moe_model, moe, args.moe_prompt_len, torch.bfloat16)]
+            if "moe" in rows and args.moe_model
+            else []
+        )
+        if decodes:
+            results["decode"] = [
+                in_child(decode.bench_decode, name, sizes, prompt_len, args.decode_steps, args.repeats, dtype)
+                for name, sizes, prompt_len, dtype in decodes
             ]
-            + (
-                [
-                    in_child(
-                        decode.bench_decode,
-                        args.moe_model,
-                        [int(b) for b in args.moe_batches.split(",")],
-                        args.moe_prompt_len,
-                        args.decode_steps,
-                        args.repeats,
-                        torch.bfloat16,
-                    )
-                ]
-                if args.moe_model
-                else []
-            ),
-            # The small configuration only: on this 24 GiB machine the default configuration's HF static
-            # cache + torch.compile row (2.9 B float32, Inductor) ran the process out of memory.
-            "backends": [
+        if "backends" in rows:
+            # The small configurations only: on this 24 GiB machine the default configuration's HF
+            # static cache + torch.compile row (2.9 B float32, Inductor) ran the process out of memory.
+            results["backends"] = [
                 decode.bench_backends(
                     name,
                     1,
@@ -412,20 +463,25 @@ def main() -> None:
                     f_linear=["torch-simple"],
                 )
                 for name in (args.small_model, args.small_moe_model)
-            ],
-            "engine_work": engine_work.bench_engine_work(args.engine_model, batches, ENGINE_WORK_BACKENDS),
-            "prefill": prefill.bench_prefill(
+            ]
+        if "engine_work" in rows:
+            results["engine_work"] = engine_work.bench_engine_work(
+                args.engine_model, batches, ENGINE_WORK_BACKENDS
+            )
+        if "prefill" in rows:
+            results["prefill"] = prefill.bench_prefill(
                 args.model, [int(t) for t in args.prefill_tokens.split(",")], args.repeats
-            ),
-            "run": whole_run,
-        }
+            )
+        if whole_run is not None:
+            results["run"] = whole_run
     results["machine_load"] = {"other_cores": busy.other_cores, "start": load_start, "end": machine_load()}
-    plot(results, args.plot)
-    results["plot"] = (
-        str(args.plot.relative_to(args.output.parent))
-        if args.plot.is_relative_to(args.output.parent)
-        else str(args.plot)
-    )
+    drawn = plot_path(args.plot, rows, args.output)
+    if plot(results, drawn):
+        results["plot"] = (
+            str(drawn.relative_to(args.output.parent))
+            if drawn.is_relative_to(args.output.parent)
+            else str(drawn)
+        )
     gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
     args.output.write_text(markdown(args.model, results, gpu))
     args.output.with_suffix(".json").write_text(json.dumps(results, indent=2))

@@ -27,7 +27,7 @@ def figures(results: dict) -> Iterator[Figure]:
     speedup = results.get("load", {}).get("speedup")
     if isinstance(speedup, dict):  # per round since the load row took turns with Hugging Face's init
         yield "load: HF init / ours", "ratio", speedup["median"], rounds.is_noisy(speedup)
-    for decode in results["decode"]:
+    for decode in results.get("decode", []):
         for row in decode["rows"]:
             for runner in row["runners"]:
                 name = f"{label(results, decode)} b{row['batch']} {runner['runner']}"
@@ -43,7 +43,7 @@ def figures(results: dict) -> Iterator[Figure]:
                     limit = figure.removeprefix("pct_of_")
                     yield f"{name} % of {limit}", "ratio", runner[figure]["median"], figure in noisy
                 yield f"{name} ms/step", "time", runner["decode_ms"]["median"], False
-    for backends in results["backends"]:
+    for backends in results.get("backends", []):
         for row in backends["rows"]:
             if "error" in row:
                 continue
@@ -51,7 +51,7 @@ def figures(results: dict) -> Iterator[Figure]:
             if "vs_reference" in row:
                 yield f"{name} / HF eager", "ratio", row["vs_reference"]["median"], row["noisy"]
             yield f"{name} ms/step", "time", row["decode_ms"]["median"], False
-    for row in results["prefill"]["rows"]:
+    for row in results.get("prefill", {}).get("rows", []):
         name = f"prefill {row['tokens']}"
         yield f"{name} % of GEMM", "ratio", row["pct_of_gemm"]["median"], row["noisy"]
         yield f"{name} ms", "time", row["prefill_ms"]["median"], False

@@ -6,6 +6,7 @@ exit code 2, one line on stderr, no MLflow store touched."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import compose_dict, run_pipeline
 from hydra.errors import HydraException
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.__main__ import check_config, one_line
 from pipeline.errors import ConfigError
+
+# 500 drawn configs and whole runs: minutes (CI and `make test-all` run them)
+pytestmark = pytest.mark.slow
 
 NUMBERS = st.one_of(
     st.integers(-10, 10), st.integers(-(2**40), 2**40), st.sampled_from(["abc", "1.5", "null", "[]", "-0"])
