@@ -1,6 +1,6 @@
 """The MLflow UI in a real headless browser: a small real sweep in a temporary store, the parent
 and its children in the runs table, two runs compared, a run's breakdown plot among its
-artifacts. Screenshots go to outputs/browser/ (.ci/run installs Debian's chromium when missing)."""
+artifacts; a two-rank tensor-parallel run's per-rank metrics and artifacts. Screenshots go to outputs/browser/ (.ci/run installs Debian's chromium when missing)."""
 
 from __future__ import annotations
 
@@ -190,3 +190,65 @@ def compare_module_tables(page, runs_view: str, parent_name: str, model: str, ch
     page.get_by_text("lm_head", exact=True).first.wait_for(timeout=30_000)
     for child in children:  # in the runs list and as a column of the table
         assert page.get_by_role("link", name=child, exact=True).count() >= 2
+
+
+def test_a_two_rank_run_in_the_ui_shows_each_ranks_artifacts(tmp_path, tracking_uri, ui_server):
+    """A tensor-parallel job as a user opens it (issue 24): one run in the table, its per-rank
+    metrics on the run page, rank 1's folder and each rank's trace among the artifacts, rank 1's
+    summary readable there, and the report's section comparing the ranks."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not shutil.which("chromium") and not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    proc = run_pipeline(
+        [
+            "model=tiny_llama3_1_8b",
+            "capture=partial",
+            "backend=torch-simple",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            "runtime.world_size=2",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path / "two",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, runs = mlflow_runs(tracking_uri)
+    assert len(runs) == 1  # one run per job, never one per rank
+    run = runs[0]
+    run_page = f"{ui_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(f"{ui_server}/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning")
+        page.get_by_text(run.info.run_name, exact=True).first.wait_for(timeout=60_000)
+        close_assistant(page)
+        assert _names_fit(page, [run.info.run_name]) == {}
+
+        # The run page: the communication share of the job and of each rank among its metrics.
+        page.goto(run_page)
+        for metric in ("profile/comm_pct", "ranks/rank0_comm_pct", "ranks/rank1_comm_pct"):
+            page.get_by_text(metric, exact=True).first.wait_for(timeout=60_000)
+        close_assistant(page)
+        page.screenshot(path=SHOTS / "ranks_run.png", full_page=True)
+
+        # Rank 1's summary in the artifact viewer, beside the rank's folder in the tree.
+        page.goto(f"{run_page}/artifacts/rank1/summary.json")
+        page.get_by_text("failed_stage").first.wait_for(timeout=60_000)  # the summary's text, shown
+        for folder in ("rank1", "traces", "report"):
+            assert page.get_by_text(folder, exact=True).count() > 0, folder
+        page.screenshot(path=SHOTS / "ranks_artifacts.png")
+
+        # Each rank's decode trace, listed under the step's folder as a user unfolds it in the tree.
+        page.get_by_text("traces", exact=True).first.click()
+        page.get_by_text("decode_1", exact=True).first.click()
+        for trace in ("rank0.json", "rank1.json"):
+            page.get_by_text(trace, exact=True).first.wait_for(timeout=60_000)
+
+        # The report (HTML, shown in the viewer's frame): its section comparing the ranks.
+        page.get_by_text("report", exact=True).first.click()
+        page.get_by_text("report.html", exact=True).first.click()
+        page.frame_locator("iframe").first.get_by_text("Tensor-parallel ranks (2)").wait_for(timeout=60_000)
+        page.screenshot(path=SHOTS / "ranks_report.png", full_page=True)
+        browser.close()
