@@ -78,6 +78,9 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        # Every action waits up to a minute (Playwright's default is 30 s): beside the other test
+        # worker's compiles, the chart view's search box took longer than 30 s to appear once here.
+        page.set_default_timeout(60_000)
         runs_view = f"{ui_server}/#/experiments/{experiment}/runs?workflowType=machine_learning"
         page.goto(runs_view)
         page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
@@ -221,6 +224,9 @@ def test_a_two_rank_run_in_the_ui_shows_each_ranks_artifacts(tmp_path, tracking_
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        # Every action waits up to a minute (Playwright's default is 30 s): beside the other test
+        # worker's compiles, the chart view's search box took longer than 30 s to appear once here.
+        page.set_default_timeout(60_000)
         page.goto(f"{ui_server}/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning")
         page.get_by_text(run.info.run_name, exact=True).first.wait_for(timeout=60_000)
         close_assistant(page)
