@@ -91,3 +91,13 @@ def test_compare_names_the_ratio_that_moved_not_the_time():
     assert moved == ["decode float32 b1 demollm / HF eager"]
     _, moved = compare.compare(earlier, bench_result(0.80, 80.0, 190.0, noisy=True), 10.0)
     assert moved == []  # a figure a run marked NOISY was never a result
+
+
+def test_compare_says_when_the_runs_ran_on_different_hosts():
+    earlier, later = bench_result(0.67, 80.0, 190.0), bench_result(0.67, 80.0, 190.0)
+    earlier["machine"] = {"isa": "avx2 avx512f avx512_bf16 onednn_bf16=yes"}
+    later["machine"] = {"isa": "avx2 onednn_bf16=no"}
+    lines, moved = compare.compare(earlier, later, 10.0)
+    assert moved == [] and any(line.startswith("DIFFERENT HOSTS") for line in lines)
+    later["machine"] = dict(earlier["machine"])
+    assert not any("DIFFERENT HOSTS" in line for line in compare.compare(earlier, later, 10.0)[0])

@@ -43,12 +43,34 @@ def machine() -> dict[str, str]:
         pass
     return {
         "cpu": cpu,
+        "isa": cpu_isa(),
         "cores": str(torch.get_num_threads()),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+
+
+# The vector extensions a CPU's kernels choose between: this VM's "AMD EPYC" ran bfloat16 matmul
+# through oneDNN (which needs AVX-512) at 12-18 GB/s on 2026-12-01 and had only avx2 on 2026-12-02
+# 17:00 (ATen's fallback, 0.1 GB/s).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_isa() -> str:
+    """The ISA_FLAGS /proc/cpuinfo lists, and whether oneDNN runs bfloat16 here: two runs on hosts
+    that differ in these ran different kernels, and their ratios do not compare."""
+    try:
+        flags = next(
+            set(line.split(":", 1)[1].split())
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = set()
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return " ".join([f for f in ISA_FLAGS if f in flags] + [f"onednn_bf16={'yes' if bf16 else 'no'}"])
 
 
 def bench_load(name: str, repeats: int, reference: bool) -> dict:
@@ -124,7 +146,8 @@ GPU_TARGET = "torch-cudagraph at least 4x faster than Hugging Face eager at batc
 
 def _header(info: dict, date: str) -> str:
     return (
-        f"Machine: {info['cpu']}, {info['cores']} threads, GPU: {info['gpu']}; torch {info['torch']}, "
+        f"Machine: {info['cpu']}{' (' + info['isa'] + ')' if 'isa' in info else ''}, {info['cores']} threads, "
+        f"GPU: {info['gpu']}; torch {info['torch']}, "
         f"transformers {info['transformers']}, Python {info['python']}. Date: {date}."
     )
 

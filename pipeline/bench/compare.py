@@ -68,6 +68,13 @@ def compare(earlier: dict, later: dict, tolerance_pct: float) -> tuple[list[str]
         "| figure | earlier | later | change | |",
         "|---|---|---|---|---|",
     ]
+    hosts = [run.get("machine", {}).get("isa") for run in (earlier, later)]
+    if None not in hosts and hosts[0] != hosts[1]:
+        lines[1:1] = [
+            "",
+            f"DIFFERENT HOSTS: the CPUs' extensions differ ({hosts[0]} against {hosts[1]}): the runs "
+            "ran different kernels, so a moved ratio says nothing about the method.",
+        ]
     moved = []
     rows = sorted(figures(later), key=lambda f: f[1] != "ratio")  # ratios first, then times
     for name, kind, value, noisy in rows:
