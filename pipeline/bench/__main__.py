@@ -214,7 +214,7 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
 
 def markdown(model: str, results: dict, gpu: dict | None) -> str:
     """BENCHMARKS.md from a run's results; a block `--rows` left out is left out here too."""
-    partial = "rows" in results and set(results["rows"]) != set(ROWS)  # notes, TP and GPU rows left out below
+    partial = is_part(results.get("rows", ROWS))  # notes, TP and GPU rows left out below
     lines = [
         "# Benchmarks",
         "",
@@ -317,6 +317,11 @@ def plot(results: dict, path: Path) -> bool:
 ROWS = ("load", "export", "decode", "moe", "backends", "engine_work", "prefill", "run")
 
 
+def is_part(rows) -> bool:
+    """Whether `rows` leave out some of the bench's blocks."""
+    return set(rows) != set(ROWS)
+
+
 def parse_rows(text: str, output: Path) -> list[str]:
     """The blocks `--rows` names, checked before anything is measured; a part of the bench may not
     overwrite the full table in BENCHMARKS.md."""
@@ -324,7 +329,7 @@ def parse_rows(text: str, output: Path) -> list[str]:
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:
         raise SystemExit(f"--rows: unknown block(s) {unknown or [text]}; choose from {','.join(ROWS)}")
-    if set(rows) != set(ROWS) and output.resolve() == (REPO_ROOT / "BENCHMARKS.md").resolve():
+    if is_part(rows) and output.resolve() == (REPO_ROOT / "BENCHMARKS.md").resolve():
         raise SystemExit(
             "--rows measures a part of the bench: pass --output FILE.md (BENCHMARKS.md holds the full table)"
         )
@@ -333,7 +338,7 @@ def parse_rows(text: str, output: Path) -> list[str]:
 
 def plot_path(given: Path | None, rows, output: Path) -> Path:
     """--plot, else the README's figure for the full bench and FILE.png beside a part's FILE.md."""
-    return given or (DEFAULT_PLOT if set(rows) == set(ROWS) else output.with_suffix(".png"))
+    return given or (output.with_suffix(".png") if is_part(rows) else DEFAULT_PLOT)
 
 
 def in_child(fn, *args):
