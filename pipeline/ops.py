@@ -191,8 +191,9 @@ def _onednn_linear_fake(x, weight, bias):
 
 @op("bf16_linear")
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ weight^T + bias for bfloat16 on CPU: a single row (a decode step at batch 1) through the
-    AVX512-BF16 GEMV kernel (kernels/cpu_gemv.py), more rows or other tensors through F.linear.
+    """x @ weight^T + bias for bfloat16 on CPU through the GEMV kernel (kernels/cpu_gemv.py) where it
+    takes x (a single row where oneDNN's bf16 matmul runs; every row count where PyTorch falls back
+    to ATen's loops), other tensors through F.linear.
 
     x: [..., K]; weight: [N, K]; bias: [N] or None; returns [..., N]. Same result as F.linear up to
     the float32 summation order.
@@ -258,11 +259,15 @@ def _expert_gemv(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
     """_expert_linear through the linear ops the transforms route to: an expert in the nn.Linear
     layout (Mixtral, Qwen3-MoE) on CPU runs pipeline::onednn_linear in float32 (F.linear's MKL GEMM
     reads it at a third of the bandwidth here) and pipeline::bf16_linear in bfloat16 (the GEMV
-    kernel for one token); Llama-4's [K, N] experts stay with the matmul."""
-    on_cpu = not transposed and h.device.type == "cpu" and h.dtype == weight.dtype
-    if on_cpu and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    kernel); Llama-4's [K, N] experts in bfloat16 take the kernel's [K, N] GEMV where PyTorch has
+    no oneDNN bf16 matmul (ATen's fallback read them at 0.09 GB/s on an AVX2-only host, the kernel
+    21), else the matmul."""
+    on_cpu = h.device.type == "cpu" and h.dtype == weight.dtype
+    if on_cpu and transposed and cpu_gemv.applies_kn(h, weight):
+        return cpu_gemv.gemv_kn(h, weight)
+    if on_cpu and not transposed and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return onednn_linear(h, weight, None)
-    if on_cpu and weight.dtype == torch.bfloat16:
+    if on_cpu and not transposed and weight.dtype == torch.bfloat16:
         return bf16_linear(h, weight, None)
     return _expert_linear(h, weight, transposed)
 

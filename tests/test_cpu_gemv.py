@@ -1,7 +1,8 @@
-"""The AVX512-BF16 GEMV kernel (kernels/cpu_gemv.cpp) equals F.linear (a float32-accumulated
-product rounded to bfloat16 once) at K and N with and without tails of the kernel's blocks;
-pipeline::bf16_linear takes it for single rows only. Builds the kernel (about 40 s the first time,
-then cached); skipped on a CPU without AVX512-BF16 or a compiler."""
+"""The bfloat16 GEMV kernel (kernels/cpu_gemv.cpp, built for this CPU's instruction set) equals a
+float32-accumulated product rounded to bfloat16 once (F.linear's numerics) in both weight layouts,
+at row counts, K and N with and without tails of the kernel's blocks; pipeline::bf16_linear takes
+it for the rows kernels/cpu_gemv.py measured it faster at. Builds the kernel (about 40 s the first
+time, then cached); skipped on a CPU without AVX2 and FMA or without a compiler."""
 
 from __future__ import annotations
 
@@ -15,31 +16,48 @@ from pipeline.kernels import cpu_gemv
 pytestmark = pytest.mark.skipif(bool(cpu_gemv.unsupported()), reason=cpu_gemv.unsupported() or "-")
 
 
-@pytest.mark.parametrize(("n", "k"), [(301, 256), (301, 77), (8, 31), (5, 5120)])  # rows % 8, K % 32
-def test_gemv_is_f_linear(n, k):
-    g = torch.Generator().manual_seed(n * 1000 + k)
-    x = torch.randn(1, k, generator=g).bfloat16()
-    weight = torch.randn(n, k, generator=g).bfloat16()
-    out = cpu_gemv.gemv(x, weight)
-    exact = (x.float() @ weight.float().T).bfloat16()  # [1, N]
-    assert out.dtype == torch.bfloat16 and out.shape == (1, n)
-    # another float32 summation order: within one bfloat16 rounding step of the exact product
+def _close(out: torch.Tensor, exact: torch.Tensor) -> None:
+    """Another float32 summation order: within one bfloat16 rounding step of the exact product."""
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
     scale = exact.float().abs().amax().item()
     torch.testing.assert_close(out.float(), exact.float(), rtol=2**-7, atol=2**-7 * scale)
-    torch.testing.assert_close(out.float(), F.linear(x, weight).float(), rtol=2**-7, atol=2**-7 * scale)
 
 
-def test_bf16_linear_takes_the_kernel_for_single_rows_only():
-    """[1, 1, K] goes to the kernel, [2, 1, K] and float32 to F.linear; a bias adds."""
+# rows: 1-4 in one pass, 5 and 9 in groups of 4 plus a rest; n, k: multiples of the blocks and not
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("n", "k"), [(301, 256), (301, 77), (8, 31), (5, 5120)])
+def test_gemv_is_f_linear(rows, n, k):
+    """weight [N, K] (nn.Linear's layout): x @ weight^T."""
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    exact = (x.float() @ weight.float().T).bfloat16()  # [B, N]
+    _close(cpu_gemv.gemv(x, weight), exact)
+    _close(cpu_gemv.gemv(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("k", "n"), [(256, 64), (301, 77), (7, 40), (130, 5)])  # K % 4 (per thread), N % 16
+def test_gemv_kn_is_matmul(rows, k, n):
+    """weight [K, N] (Llama-4's experts): x @ weight, each thread's rows of K summed apart."""
+    g = torch.Generator().manual_seed(k * 1000 + n + rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    weight = torch.randn(k, n, generator=g).bfloat16()
+    _close(cpu_gemv.gemv_kn(x, weight), (x.float() @ weight.float()).bfloat16())
+
+
+def test_bf16_linear_takes_the_kernel_where_it_was_measured_faster():
+    """[1, 1, K] goes to the kernel everywhere, [2, 1, K] only where PyTorch has no oneDNN bf16
+    matmul (max_rows() None); float32 and a non-contiguous weight stay F.linear; a bias adds."""
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
     for shape in ((1, 1, 64), (2, 1, 64)):
         x = torch.randn(*shape, generator=g).bfloat16()
-        assert cpu_gemv.applies(x, weight) == (shape[0] == 1)
+        assert cpu_gemv.applies(x, weight) == (shape[0] == 1 or cpu_gemv.max_rows() is None)
         out = torch.ops.pipeline.bf16_linear(x, weight, bias)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2**-7, atol=0.1)
     assert not cpu_gemv.applies(torch.randn(1, 64), weight.float())
-    assert not cpu_gemv.applies(torch.randn(1, 40).bfloat16(), weight.T)  # not [N, K] contiguous
+    assert not cpu_gemv.applies(torch.randn(1, 40).bfloat16(), weight.T)  # not contiguous
 
 
 def test_bad_inputs_are_refused():
@@ -47,3 +65,5 @@ def test_bad_inputs_are_refused():
         cpu_gemv.gemv(torch.randn(1, 8), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="another K"):
         cpu_gemv.gemv(torch.randn(1, 8).bfloat16(), torch.randn(4, 9).bfloat16())
+    with pytest.raises(RuntimeError, match="another K"):
+        cpu_gemv.gemv_kn(torch.randn(1, 8).bfloat16(), torch.randn(9, 4).bfloat16())

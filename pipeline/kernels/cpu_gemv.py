@@ -1,13 +1,24 @@
-"""bfloat16 GEMV on CPU with AVX-512 BF16 (cpu_gemv.cpp), compiled at first use and cached.
+"""bfloat16 GEMV on CPU (cpu_gemv.cpp), compiled at first use for this CPU's instruction set and
+cached.
 
-Why: this CPU's bfloat16 `F.linear` (oneDNN's matmul) reads decode-size weights at 26-33 GB/s
-where a float32 reduction reads 40-80 GB/s; a bfloat16 decode step of mistral3 ran at 90-95 % of
-oneDNN's GEMV rate, about half the read bandwidth (`make bench`, 2026-12-01). For a single row of x
-(batch 1) the kernel streams the weight at 33-36 GB/s where oneDNN reads 29-31, accumulating in
-float32 and rounding to bfloat16 once at the end, as F.linear does; for 2-4 rows the same scheme
-read 21-28 GB/s against oneDNN's 29-32 (measured side by side, 2026-12-01), so those stay with
-F.linear. Built by torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension
-cache: about 40 s the first time on this machine, then loaded.
+Why: a decode step's linears read each weight once for a few rows of x, so they run at the rate a
+weight streams from memory, and PyTorch's bfloat16 matmul is far from it on this machine's CPUs:
+- on a host with AVX512-BF16 (2026-12-01), oneDNN's bf16 matmul read decode-size weights at
+  26-33 GB/s where a float32 reduction read 40-80; the kernel's vdpbf16ps path streamed one row at
+  33-36 GB/s, and 2-4 rows read 21-28 GB/s against oneDNN's 29-32, so on such a host only single
+  rows take the kernel;
+- on an AVX2-only host (the same VM on 2026-12-02, a Zen 1 EPYC: no AVX-512, no oneDNN bf16),
+  F.linear falls back to ATen's loops: 11 GB/s at one row and 2.9 GB/s at four ([16384, 5120],
+  [5120, 8192], [32768, 5120]) where a float32 reduction reads 21-22 and oneDNN's float32 GEMV
+  24-26. The kernel's AVX2 path reads 20.9-21.3 GB/s at one row (the reduction's rate), 14.4 at
+  two, 8.6-8.8 at four (the FMA units' limit: oneDNN's float32 GEMV reads 8.5 at four rows), and
+  stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584), so on such a
+  host every row count takes it.
+Llama-4 stores its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its
+own rows of W into float32 partial sums): 20.7-21.7 GB/s at one row, 10.2-10.5 at four, where
+ATen's bf16 matmul took 1.9 s for one [5120, 16384] expert (0.09 GB/s) on the AVX2 host.
+Built by torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension cache: about
+40 s the first time on this machine, then loaded.
 """
 
 from __future__ import annotations
@@ -25,16 +36,40 @@ SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 
 
 @functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        line = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def isa() -> str:
+    """The instruction set the kernel is built for here: 'avx512_bf16', 'avx2' or '' (neither)."""
+    flags = _cpu_flags()
+    if {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
+        return "avx512_bf16"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return ""
+
+
+# compiler flags per instruction set; the AVX-512 build keeps the AVX2 paths (2-4 rows, [K, N])
+_CFLAGS = {
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+}
+
+
+@functools.cache
 def unsupported() -> str:
     """Why the kernel cannot be built and run here (one line), or '' when it can."""
-    try:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):
-        return "no /proc/cpuinfo flags to check for AVX512-BF16"
-    if "avx512_bf16" not in flags:
-        return "this CPU has no AVX512-BF16 (vdpbf16ps)"
+    if not _cpu_flags():
+        return "no /proc/cpuinfo flags to check for AVX2 and FMA"
+    if not isa():
+        return "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler (c++ or g++) on PATH to build the kernel"
     _venv_bin_on_path()
@@ -60,26 +95,50 @@ def _extension():
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # a changed source builds anew
     return load(
-        name=f"pipeline_cpu_gemv_{digest}",
+        name=f"pipeline_cpu_gemv_{isa()}_{digest}",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+        extra_cflags=["-O3", "-fopenmp", *_CFLAGS[isa()]],  # OpenMP: at::parallel_for is a header
+        extra_ldflags=["-fopenmp"],
     )
 
 
+@functools.cache
+def max_rows() -> int | None:
+    """How many rows of x the kernel takes, by measurement (module docstring): one where oneDNN's
+    bf16 matmul runs, any number where PyTorch falls back to ATen's loops."""
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return 1 if onednn_bf16 else None
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv takes x @ weight^T: bfloat16 on CPU, one row of x, an [N, K] weight with unit
-    last stride, the kernel buildable here."""
+    """Whether the kernel takes x times weight (either layout): bfloat16 on CPU, at most max_rows()
+    rows of x, a contiguous 2-D weight, the kernel buildable here."""
+    rows = x.numel() // max(x.shape[-1], 1)
     return (
         x.dtype == weight.dtype == torch.bfloat16
         and x.device.type == weight.device.type == "cpu"
-        and x.numel() == x.shape[-1] > 0
+        and x.numel() > 0
+        and (max_rows() is None or rows <= max_rows())
         and weight.dim() == 2
         and weight.is_contiguous()
         and not unsupported()
     )
 
 
+def applies_kn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_kn takes x @ weight for a [K, N] weight: as applies(), and only where PyTorch
+    has no oneDNN bf16 matmul (on the AVX512-BF16 host an earlier [K, N] kernel read 8-11 GB/s
+    against oneDNN's 12-18, so the matmul keeps those)."""
+    return max_rows() is None and applies(x, weight)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (one row) times weight [N, K]^T -> [..., N], bfloat16 on CPU."""
-    out = _extension().gemv(x.reshape(-1), weight)  # [N]
-    return out.view(*x.shape[:-1], out.shape[0])
+    """x [..., K] times weight [N, K]^T -> [..., N] (F.linear), bfloat16 on CPU."""
+    out = _extension().gemv(x.reshape(-1, x.shape[-1]), weight)  # [B, N]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def gemv_kn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times weight [K, N] -> [..., N] (x @ weight), bfloat16 on CPU."""
+    out = _extension().gemv_kn(x.reshape(-1, x.shape[-1]), weight)  # [B, N]
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,12 +1,15 @@
-"""bf16_gemv: bfloat16 linears on CPU run through `pipeline::bf16_linear`, whose decode-size calls
-(1-8 rows) take the AVX512-BF16 GEMV kernel (kernels/cpu_gemv.py) and whose prefill calls stay
-F.linear (oneDNN's matmul, which GEMMs well).
+"""bf16_gemv: bfloat16 linears on CPU run through `pipeline::bf16_linear`, which takes the GEMV
+kernel (kernels/cpu_gemv.py) where it measured faster than F.linear: single rows where oneDNN's
+bf16 matmul runs (an AVX512-BF16 host; more rows stay with oneDNN, which GEMMs well), every call
+where PyTorch's bf16 matmul falls back to ATen's loops (an AVX2-only host: 3x faster up to 128
+rows).
 
-Why: this CPU's bfloat16 F.linear reads a decode step's weights at 26-33 GB/s, about half of what
-a reduction reads here, and a bfloat16 decode step of mistral3 ran at 90-95 % of that rate
-(`make bench`, 2026-12-01). Scope subgraph and model as onednn_linear (linear_route.py). Where the
-kernel cannot be built (no AVX512-BF16, no compiler), nothing is rewritten and the history's
-unmatched list says why.
+Why: on the AVX512-BF16 host, F.linear read a decode step's weights at 26-33 GB/s, about half of
+what a reduction read, and a bfloat16 decode step of mistral3 ran at 90-95 % of that rate (`make
+bench`, 2026-12-01); on the AVX2-only host F.linear reads 11 GB/s at one row and 2.9 at four where
+a reduction reads 21 (2026-12-02). Scope subgraph and model as onednn_linear (linear_route.py).
+Where the kernel cannot be built (no AVX2 with FMA, no compiler), nothing is rewritten and the
+history's unmatched list says why.
 """
 
 from __future__ import annotations
