@@ -192,7 +192,7 @@ def _onednn_linear_fake(x, weight, bias):
 @op("bf16_linear")
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x @ weight^T + bias for bfloat16 on CPU through the GEMV kernel (kernels/cpu_gemv.py) where it
-    takes x (a single row where oneDNN's bf16 matmul runs; every row count where PyTorch falls back
+    takes x (a single row where oneDNN's bf16 matmul runs; up to 8 rows where PyTorch falls back
     to ATen's loops), other tensors through F.linear.
 
     x: [..., K]; weight: [N, K]; bias: [N] or None; returns [..., N]. Same result as F.linear up to

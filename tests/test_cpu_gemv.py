@@ -48,12 +48,14 @@ def test_gemv_kn_is_matmul(rows, k, n):
 
 def test_bf16_linear_takes_the_kernel_where_it_was_measured_faster():
     """[1, 1, K] goes to the kernel everywhere, [2, 1, K] only where PyTorch has no oneDNN bf16
-    matmul (max_rows() None); float32 and a non-contiguous weight stay F.linear; a bias adds."""
+    matmul, a prefill of more than max_rows() rows nowhere; float32 and a non-contiguous weight
+    stay F.linear; a bias adds."""
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
-    for shape in ((1, 1, 64), (2, 1, 64)):
+    for shape in ((1, 1, 64), (2, 1, 64), (1, cpu_gemv.MAX_ROWS_AVX2 + 1, 64)):
         x = torch.randn(*shape, generator=g).bfloat16()
-        assert cpu_gemv.applies(x, weight) == (shape[0] == 1 or cpu_gemv.max_rows() is None)
+        rows = shape[0] * shape[1]
+        assert cpu_gemv.applies(x, weight) == (rows == 1 or (rows <= 8 and not cpu_gemv.onednn_bf16()))
         out = torch.ops.pipeline.bf16_linear(x, weight, bias)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2**-7, atol=0.1)
     assert not cpu_gemv.applies(torch.randn(1, 64), weight.float())

@@ -462,18 +462,29 @@ def main() -> None:
         if "export" in rows:
             results["export"] = bench_export(args.model, args.repeats)
         decodes = [
-            (args.model, batches, args.prompt_len, getattr(torch, d)) for d in args.decode_dtypes.split(",")
+            (args.model, batches, args.prompt_len, getattr(torch, d), "")
+            for d in args.decode_dtypes.split(",")
         ]
         moe = [int(b) for b in args.moe_batches.split(",")]
+        moe_references = decode.moe_references_unaffordable(torch.bfloat16)
         decodes = (decodes if "decode" in rows else []) + (
-            [(args.moe_model, moe, args.moe_prompt_len, torch.bfloat16)]
+            [(args.moe_model, moe, args.moe_prompt_len, torch.bfloat16, moe_references)]
             if "moe" in rows and args.moe_model
             else []
         )
         if decodes:
             results["decode"] = [
-                in_child(decode.bench_decode, name, sizes, prompt_len, args.decode_steps, args.repeats, dtype)
-                for name, sizes, prompt_len, dtype in decodes
+                in_child(
+                    decode.bench_decode,
+                    name,
+                    sizes,
+                    prompt_len,
+                    args.decode_steps,
+                    args.repeats,
+                    dtype,
+                    left_out,
+                )
+                for name, sizes, prompt_len, dtype, left_out in decodes
             ]
         if "backends" in rows:
             # The small configurations only: on this 24 GiB machine the default configuration's HF

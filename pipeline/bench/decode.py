@@ -20,6 +20,7 @@ from pipeline.bench.limits import ReadLimit, WeightPass
 from pipeline.bench.prepare import advance, engine_of, prepared
 from pipeline.devices import dtype_name, sync
 from pipeline.graphs import eager_graphs, find_graphs
+from pipeline.kernels import cpu_gemv
 from pipeline.library import kernels_replaced, references_on_cuda
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
@@ -41,6 +42,7 @@ def bench_decode(
     steps: int,
     repeats: int,
     dtype: torch.dtype = torch.float32,
+    references_left_out: str = "",
 ) -> dict:
     """Hugging Face eager and demollm on the same weights (and, where the onednn_linear transform
     put oneDNN's inner product in the graph, demollm again with F.linear in its place), taking turns
@@ -52,7 +54,10 @@ def bench_decode(
     Where match_moe put `pipeline::moe` in the graph, demollm runs again with each moe as Hugging
     Face's all-experts form ("demollm all experts"), and demollm's read rate counts the bytes a
     step reads with the routed experts only (counted in an untimed generation before the rounds,
-    per batch: `routed_bytes`); Hugging Face and the all-experts form read every expert."""
+    per batch: `routed_bytes`); Hugging Face and the all-experts form read every expert.
+
+    `references_left_out`: why Hugging Face eager and the all-experts form cannot be timed here
+    (moe_references_unaffordable); then demollm's runners take turns alone, against the limits."""
     read = ReadLimit()  # its buffer before the model
     with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
         weight_bytes = state.model_info.decode_bytes
@@ -79,11 +84,12 @@ def bench_decode(
                 )
         runners = {}
         for b in batches:
-            runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
+            if not references_left_out:
+                runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
             runners[f"demollm b{b}"] = lambda b=b: _demollm_sample(engine, prompts[b], steps)
             if routed_linears:
                 runners[f"demollm F.linear b{b}"] = lambda b=b: _f_linear_sample(engine, prompts[b], steps)
-            if moe:
+            if moe and not references_left_out:
                 runners[f"{ALL_EXPERTS_RUNNER} b{b}"] = lambda b=b: _all_experts_sample(
                     engine, prompts[b], steps
                 )
@@ -123,7 +129,24 @@ def bench_decode(
         "weight_bytes": weight_bytes,
         "read_limit_gbs": rounds.spread([r.limits["read"] for r in rounds_]),
         "rows": rows,
+        **({"references_left_out": references_left_out} if references_left_out else {}),
     }
+
+
+def moe_references_unaffordable(dtype: torch.dtype) -> str:
+    """Why Hugging Face's all-experts MoE forms cannot be timed on this machine, or ''.
+
+    In bfloat16 without oneDNN's bf16 matmul (a CPU without AVX-512: PyTorch falls back to ATen's
+    loops), one Llama-4 expert's [1, 5120] x [5120, 16384] matmul took 1.9 s and its down
+    projection 0.8 s (2026-12-02): Hugging Face's form runs all 16 experts of 48 layers, about
+    35 minutes a decode step."""
+    if dtype != torch.bfloat16 or cpu_gemv.onednn_bf16():
+        return ""
+    return (
+        "Hugging Face eager and demollm all experts not timed: this CPU has no oneDNN bfloat16 matmul "
+        "(no AVX-512), and ATen's fallback took 1.9 s for one Llama-4 expert's [1, 5120] x [5120, 16384] "
+        "matmul, about 35 minutes for a step that runs all 16 experts of 48 layers"
+    )
 
 
 F_LINEAR = dict.fromkeys(
@@ -402,7 +425,7 @@ def markdown(result: dict) -> list[str]:
         "",
         f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; also with F.linear "
         f"in place of the linear kernel the transforms chose: oneDNN's inner product in float32, the "
-        f"bfloat16 GEMV kernel for single bfloat16 rows) on the same weights take turns, "
+        f"bfloat16 GEMV kernel where it applies) on the same weights take turns, "
         f"{result['rounds']} rounds after a warm-up round. Two limits are measured before and after each "
         f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
         f"for the round: the read bandwidth of a 1 GiB float32 reduction "
@@ -413,6 +436,7 @@ def markdown(result: dict) -> list[str]:
         f"step, and every ratio is taken within a round. {_target(result)} NOISY names a figure whose "
         f"per-round values spread over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
         "",
+        *([f"{result['references_left_out']}.", ""] if "references_left_out" in result else []),
         "| batch | runner | ms/step | x HF eager (per round) | % of read limit | % of GEMV pass | |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -422,7 +446,11 @@ def markdown(result: dict) -> list[str]:
             batch = (
                 f"{r['batch']} (GEMV pass {_cell(r['gemv_pass_gbs'], 1, ' GB/s')}{routed})" if i == 0 else ""
             )
-            ratio = _cell(runner["vs_reference"]) if "vs_reference" in runner else "1.00"
+            ratio = (
+                _cell(runner["vs_reference"])
+                if "vs_reference" in runner
+                else ("1.00" if runner["runner"] == "HF eager" else "-")
+            )
             noisy = [FIGURE_NAMES[k] for k in runner["noisy_figures"]]
             lines.append(
                 f"| {batch} | {runner['runner']} | {_cell(runner['decode_ms'], 1)} | {ratio} | "

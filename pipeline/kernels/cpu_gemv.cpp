@@ -56,7 +56,9 @@ inline float sum8(__m256 v) {
 // ---- [N, K] weight: each output is a dot product of a weight row with a row of x ----
 
 // R weight rows streamed side by side against B rows of x (xf [B, K] float32 in paired order);
-// R * B accumulators and the split weight stay in registers, x is read from L1 by the FMAs.
+// R * B accumulators stay in registers. One row of x: each weight row's pairs meet x read from L1
+// by the FMAs. More rows: the R rows' pairs are split first and each row of x is loaded once for
+// all R of them (x's loads, two per row of x and weight row, had bound the 4-row kernel).
 template <int R, int B>
 inline void nk_rows(const float* xf, const bf16* w, float* y, int64_t K, int64_t N, int64_t n0) {
   __m256 acc[R][B];
@@ -67,13 +69,25 @@ inline void nk_rows(const float* xf, const bf16* w, float* y, int64_t K, int64_t
   const bf16* first = w + n0 * K;
   const int64_t full = K / 16 * 16;
   for (int64_t k = 0; k < full; k += 16) {
+    if constexpr (B == 1) {
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const Pairs wv = split16(first + r * K + k);
+      for (int r = 0; r < R; ++r) {
+        const Pairs wv = split16(first + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(wv.even, _mm256_loadu_ps(xf + k), acc[r][0]);
+        acc[r][0] = _mm256_fmadd_ps(wv.odd, _mm256_loadu_ps(xf + k + 8), acc[r][0]);
+      }
+    } else {
+      Pairs wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wv[r] = split16(first + r * K + k);
 #pragma GCC unroll 4
       for (int b = 0; b < B; ++b) {
-        acc[r][b] = _mm256_fmadd_ps(wv.even, _mm256_loadu_ps(xf + b * K + k), acc[r][b]);
-        acc[r][b] = _mm256_fmadd_ps(wv.odd, _mm256_loadu_ps(xf + b * K + k + 8), acc[r][b]);
+        const __m256 even = _mm256_loadu_ps(xf + b * K + k), odd = _mm256_loadu_ps(xf + b * K + k + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          acc[r][b] = _mm256_fmadd_ps(wv[r].even, even, acc[r][b]);
+          acc[r][b] = _mm256_fmadd_ps(wv[r].odd, odd, acc[r][b]);
+        }
       }
     }
   }
@@ -87,7 +101,7 @@ inline void nk_rows(const float* xf, const bf16* w, float* y, int64_t K, int64_t
 
 template <int B>
 void nk_avx2(const float* xf, const bf16* w, float* y, int64_t K, int64_t N) {
-  constexpr int R = B == 1 ? 8 : (B == 2 ? 4 : (B == 3 ? 3 : 2));  // R * B + 3 <= 13 registers
+  constexpr int R = B == 1 ? 8 : 2;  // registers: 8 + 3 at one row, 2R + 2B + 3 <= 15 at more
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     int64_t n0 = begin;
     for (; n0 + R <= end; n0 += R) nk_rows<R, B>(xf, w, y, K, N, n0);

@@ -10,10 +10,14 @@ weight streams from memory, and PyTorch's bfloat16 matmul is far from it on this
 - on an AVX2-only host (the same VM on 2026-12-02, a Zen 1 EPYC: no AVX-512, no oneDNN bf16),
   F.linear falls back to ATen's loops: 11 GB/s at one row and 2.9 GB/s at four ([16384, 5120],
   [5120, 8192], [32768, 5120]) where a float32 reduction reads 21-22 and oneDNN's float32 GEMV
-  24-26. The kernel's AVX2 path reads 20.9-21.3 GB/s at one row (the reduction's rate), 14.4 at
-  two, 8.6-8.8 at four (the FMA units' limit: oneDNN's float32 GEMV reads 8.5 at four rows), and
-  stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584), so on such a
-  host every row count takes it.
+  24-26. The kernel's AVX2 path reads 20.9-21.4 GB/s at one row (the reduction's rate), 15-17 at
+  two, 9.7-9.9 at four (near the FMA units' limit: oneDNN's float32 GEMV reads 8.5 at four rows),
+  and stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584). Yet on
+  such a host only decode-size calls (up to MAX_ROWS_AVX2 rows) take it: with prefills through it
+  as well, mistral3's bfloat16 image call moved by 0.31 in the logits from the eager model's
+  (the correctness check's tolerance 0.16; the kernel and F.linear are equally close to a float64
+  product, one rounding each, so it is the summation order compounding over 40 layers), and a
+  run that fails its check measures nothing.
 Llama-4 stores its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its
 own rows of W into float32 partial sums): 20.7-21.7 GB/s at one row, 10.2-10.5 at four, where
 ATen's bf16 matmul took 1.9 s for one [5120, 16384] expert (0.09 GB/s) on the AVX2 host.
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+MAX_ROWS_AVX2 = 8  # the decode batches
 
 
 @functools.cache
@@ -103,11 +108,15 @@ def _extension():
 
 
 @functools.cache
-def max_rows() -> int | None:
-    """How many rows of x the kernel takes, by measurement (module docstring): one where oneDNN's
-    bf16 matmul runs, any number where PyTorch falls back to ATen's loops."""
-    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return 1 if onednn_bf16 else None
+def onednn_bf16() -> bool:
+    """Whether PyTorch runs bfloat16 matmuls through oneDNN here (it needs AVX-512)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def max_rows() -> int:
+    """How many rows of x the kernel takes (module docstring): one where oneDNN's bf16 matmul runs,
+    decode-size calls where PyTorch falls back to ATen's loops."""
+    return 1 if onednn_bf16() else MAX_ROWS_AVX2
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -117,8 +126,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == weight.dtype == torch.bfloat16
         and x.device.type == weight.device.type == "cpu"
-        and x.numel() > 0
-        and (max_rows() is None or rows <= max_rows())
+        and 0 < rows <= max_rows()
         and weight.dim() == 2
         and weight.is_contiguous()
         and not unsupported()
@@ -129,7 +137,7 @@ def applies_kn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv_kn takes x @ weight for a [K, N] weight: as applies(), and only where PyTorch
     has no oneDNN bf16 matmul (on the AVX512-BF16 host an earlier [K, N] kernel read 8-11 GB/s
     against oneDNN's 12-18, so the matmul keeps those)."""
-    return max_rows() is None and applies(x, weight)
+    return not onednn_bf16() and applies(x, weight)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

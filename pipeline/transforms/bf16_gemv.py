@@ -1,8 +1,8 @@
 """bf16_gemv: bfloat16 linears on CPU run through `pipeline::bf16_linear`, which takes the GEMV
 kernel (kernels/cpu_gemv.py) where it measured faster than F.linear: single rows where oneDNN's
-bf16 matmul runs (an AVX512-BF16 host; more rows stay with oneDNN, which GEMMs well), every call
-where PyTorch's bf16 matmul falls back to ATen's loops (an AVX2-only host: 3x faster up to 128
-rows).
+bf16 matmul runs (an AVX512-BF16 host; more rows stay with oneDNN, which GEMMs well), decode-size
+calls (up to 8 rows) where PyTorch's bf16 matmul falls back to ATen's loops (an AVX2-only host);
+prefills stay F.linear (cpu_gemv.py says why).
 
 Why: on the AVX512-BF16 host, F.linear read a decode step's weights at 26-33 GB/s, about half of
 what a reduction read, and a bfloat16 decode step of mistral3 ran at 90-95 % of that rate (`make
