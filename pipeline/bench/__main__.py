@@ -233,6 +233,9 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         lines += ["", *_overhead_markdown(model, results)]
     for result in results.get("decode", []):
         lines += ["", *decode.markdown(result)]
+    if "moe_left_out" in results:
+        left_out = results["moe_left_out"]
+        lines += ["", f"## Decode, `model={left_out['model']}` (bfloat16, CPU)", "", f"{left_out['reason']}."]
     for result in results.get("backends", []):
         lines += ["", *decode.backends_markdown(result, CPU_TARGET)]
     if "engine_work" in results:
@@ -462,29 +465,23 @@ def main() -> None:
         if "export" in rows:
             results["export"] = bench_export(args.model, args.repeats)
         decodes = [
-            (args.model, batches, args.prompt_len, getattr(torch, d), "")
-            for d in args.decode_dtypes.split(",")
+            (args.model, batches, args.prompt_len, getattr(torch, d)) for d in args.decode_dtypes.split(",")
         ]
         moe = [int(b) for b in args.moe_batches.split(",")]
-        moe_references = decode.moe_references_unaffordable(torch.bfloat16)
+        moe_left_out = (
+            decode.moe_rows_unaffordable(torch.bfloat16) if "moe" in rows and args.moe_model else ""
+        )
+        if moe_left_out:
+            results["moe_left_out"] = {"model": args.moe_model, "reason": moe_left_out}
         decodes = (decodes if "decode" in rows else []) + (
-            [(args.moe_model, moe, args.moe_prompt_len, torch.bfloat16, moe_references)]
-            if "moe" in rows and args.moe_model
+            [(args.moe_model, moe, args.moe_prompt_len, torch.bfloat16)]
+            if "moe" in rows and args.moe_model and not moe_left_out
             else []
         )
         if decodes:
             results["decode"] = [
-                in_child(
-                    decode.bench_decode,
-                    name,
-                    sizes,
-                    prompt_len,
-                    args.decode_steps,
-                    args.repeats,
-                    dtype,
-                    left_out,
-                )
-                for name, sizes, prompt_len, dtype, left_out in decodes
+                in_child(decode.bench_decode, name, sizes, prompt_len, args.decode_steps, args.repeats, dtype)
+                for name, sizes, prompt_len, dtype in decodes
             ]
         if "backends" in rows:
             # The small configurations only: on this 24 GiB machine the default configuration's HF

@@ -42,7 +42,6 @@ def bench_decode(
     steps: int,
     repeats: int,
     dtype: torch.dtype = torch.float32,
-    references_left_out: str = "",
 ) -> dict:
     """Hugging Face eager and demollm on the same weights (and, where the onednn_linear transform
     put oneDNN's inner product in the graph, demollm again with F.linear in its place), taking turns
@@ -54,10 +53,7 @@ def bench_decode(
     Where match_moe put `pipeline::moe` in the graph, demollm runs again with each moe as Hugging
     Face's all-experts form ("demollm all experts"), and demollm's read rate counts the bytes a
     step reads with the routed experts only (counted in an untimed generation before the rounds,
-    per batch: `routed_bytes`); Hugging Face and the all-experts form read every expert.
-
-    `references_left_out`: why Hugging Face eager and the all-experts form cannot be timed here
-    (moe_references_unaffordable); then demollm's runners take turns alone, against the limits."""
+    per batch: `routed_bytes`); Hugging Face and the all-experts form read every expert."""
     read = ReadLimit()  # its buffer before the model
     with prepared([f"model={name}"], dtype, torch.device("cpu")) as state:
         weight_bytes = state.model_info.decode_bytes
@@ -84,12 +80,11 @@ def bench_decode(
                 )
         runners = {}
         for b in batches:
-            if not references_left_out:
-                runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
+            runners[f"HF eager b{b}"] = lambda b=b: _hf_eager_sample(state, prompts[b], steps)
             runners[f"demollm b{b}"] = lambda b=b: _demollm_sample(engine, prompts[b], steps)
             if routed_linears:
                 runners[f"demollm F.linear b{b}"] = lambda b=b: _f_linear_sample(engine, prompts[b], steps)
-            if moe and not references_left_out:
+            if moe:
                 runners[f"{ALL_EXPERTS_RUNNER} b{b}"] = lambda b=b: _all_experts_sample(
                     engine, prompts[b], steps
                 )
@@ -129,23 +124,26 @@ def bench_decode(
         "weight_bytes": weight_bytes,
         "read_limit_gbs": rounds.spread([r.limits["read"] for r in rounds_]),
         "rows": rows,
-        **({"references_left_out": references_left_out} if references_left_out else {}),
     }
 
 
-def moe_references_unaffordable(dtype: torch.dtype) -> str:
-    """Why Hugging Face's all-experts MoE forms cannot be timed on this machine, or ''.
+def moe_rows_unaffordable(dtype: torch.dtype) -> str:
+    """Why the bfloat16 MoE decode rows (llama4_scout) cannot run on this machine, or ''.
 
-    In bfloat16 without oneDNN's bf16 matmul (a CPU without AVX-512: PyTorch falls back to ATen's
-    loops), one Llama-4 expert's [1, 5120] x [5120, 16384] matmul took 1.9 s and its down
-    projection 0.8 s (2026-12-02): Hugging Face's form runs all 16 experts of 48 layers, about
-    35 minutes a decode step."""
+    Without oneDNN's bf16 matmul (a CPU without AVX-512: PyTorch falls back to ATen's loops), one
+    Llama-4 expert's [1, 5120] x [5120, 16384] matmul took 1.9 s and its down projection 0.8 s
+    (2026-12-02). Hugging Face's form runs all 16 experts of each layer: about 86 s a decode step
+    of the bench's two-layer llama4_scout, some 100 of them for the rows; and the eager reference
+    of the pipeline's correctness check, a prefill of the image prompt, had not finished after 21
+    minutes on one core."""
     if dtype != torch.bfloat16 or cpu_gemv.onednn_bf16():
         return ""
     return (
-        "Hugging Face eager and demollm all experts not timed: this CPU has no oneDNN bfloat16 matmul "
-        "(no AVX-512), and ATen's fallback took 1.9 s for one Llama-4 expert's [1, 5120] x [5120, 16384] "
-        "matmul, about 35 minutes for a step that runs all 16 experts of 48 layers"
+        "not measured: this CPU has no oneDNN bfloat16 matmul (no AVX-512), and ATen's fallback took "
+        "1.9 s for one Llama-4 expert's [1, 5120] x [5120, 16384] matmul and 0.8 s for its down "
+        "projection; Hugging Face's form runs all 16 experts of a layer, about 86 s a decode step of "
+        "the two-layer model, and the correctness check's eager prefill of the image prompt had not "
+        "finished after 21 minutes"
     )
 
 
@@ -436,7 +434,6 @@ def markdown(result: dict) -> list[str]:
         f"step, and every ratio is taken within a round. {_target(result)} NOISY names a figure whose "
         f"per-round values spread over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
         "",
-        *([f"{result['references_left_out']}.", ""] if "references_left_out" in result else []),
         "| batch | runner | ms/step | x HF eager (per round) | % of read limit | % of GEMV pass | |",
         "|---|---|---|---|---|---|---|",
     ]
