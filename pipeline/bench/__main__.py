@@ -25,6 +25,7 @@ from pipeline import REPO_ROOT
 from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, tensor_parallel
 from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.export import graph_capture
+from pipeline.kernels import cpu_gemv
 from pipeline.runtime.machine_load import MachineLoad
 
 LOAD_TARGET_S = 15.0
@@ -61,15 +62,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_isa() -> str:
     """The ISA_FLAGS /proc/cpuinfo lists, and whether oneDNN runs bfloat16 here: two runs on hosts
     that differ in these ran different kernels, and their ratios do not compare."""
-    try:
-        flags = next(
-            set(line.split(":", 1)[1].split())
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = set()
-    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    flags = cpu_gemv.cpu_flags()
+    bf16 = cpu_gemv.onednn_bf16()
     return " ".join([f for f in ISA_FLAGS if f in flags] + [f"onednn_bf16={'yes' if bf16 else 'no'}"])
 
 

@@ -443,11 +443,7 @@ def markdown(result: dict) -> list[str]:
             batch = (
                 f"{r['batch']} (GEMV pass {_cell(r['gemv_pass_gbs'], 1, ' GB/s')}{routed})" if i == 0 else ""
             )
-            ratio = (
-                _cell(runner["vs_reference"])
-                if "vs_reference" in runner
-                else ("1.00" if runner["runner"] == "HF eager" else "-")
-            )
+            ratio = _cell(runner["vs_reference"]) if "vs_reference" in runner else "1.00"
             noisy = [FIGURE_NAMES[k] for k in runner["noisy_figures"]]
             lines.append(
                 f"| {batch} | {runner['runner']} | {_cell(runner['decode_ms'], 1)} | {ratio} | "

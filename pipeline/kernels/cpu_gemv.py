@@ -16,7 +16,7 @@ weight streams from memory, and PyTorch's bfloat16 matmul is far from it on this
   such a host only decode-size calls (up to MAX_ROWS_AVX2 rows) take it: with prefills through it
   as well, mistral3's bfloat16 image call moved by 0.31 in the logits from the eager model's
   (the correctness check's tolerance 0.16; the kernel and F.linear are equally close to a float64
-  product, one rounding each, so it is the summation order compounding over 40 layers), and a
+  product, one rounding each, so it is the summation order compounding through the model), and a
   run that fails its check measures nothing.
 Llama-4 stores its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its
 own rows of W into float32 partial sums): 20.7-21.7 GB/s at one row, 10.2-10.5 at four, where
@@ -41,7 +41,8 @@ MAX_ROWS_AVX2 = 8  # the decode batches
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:
         line = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
@@ -53,7 +54,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def isa() -> str:
     """The instruction set the kernel is built for here: 'avx512_bf16', 'avx2' or '' (neither)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
         return "avx512_bf16"
     if {"avx2", "fma"} <= flags:
@@ -71,7 +72,7 @@ _CFLAGS = {
 @functools.cache
 def unsupported() -> str:
     """Why the kernel cannot be built and run here (one line), or '' when it can."""
-    if not _cpu_flags():
+    if not cpu_flags():
         return "no /proc/cpuinfo flags to check for AVX2 and FMA"
     if not isa():
         return "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
