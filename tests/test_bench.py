@@ -38,6 +38,9 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
             "1,2",
             "--decode-steps",
             "2",
+            # one round in each of two fresh processes, pooled
+            "--decode-processes",
+            "2",
             "--prompt-len",
             "16",
             "--prefill-tokens",
@@ -70,8 +73,9 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
         ("tiny_mistral3", "float32"), ("tiny_mistral3", "bfloat16")
     ]  # fmt: skip
     for result in results["decode"]:
+        assert (result["rounds"], result["processes"]) == (2, 2)
         block = "\n".join(decode.markdown(result))
-        assert block in text
+        assert block in text and "2 rounds, 1 in each of 2 fresh processes" in block
         check_decode(result, block, moe=False)
     assert [r["tokens"] for r in results["prefill"]["rows"]] == [16, 32]
     assert all(

@@ -101,3 +101,32 @@ def test_compare_says_when_the_runs_ran_on_different_hosts():
     assert moved == [] and any(line.startswith("DIFFERENT HOSTS") for line in lines)
     later["machine"] = dict(earlier["machine"])
     assert not any("DIFFERENT HOSTS" in line for line in compare.compare(earlier, later, 10.0)[0])
+
+
+def test_rounds_of_several_processes_are_pooled_ratios_still_per_round():
+    """Two processes whose machines ran at different speeds: the pooled row holds every round, and
+    each ratio is still taken within its own round (so both processes' ratios are exact)."""
+    from pipeline.bench import decode
+
+    measured = []
+    for speed in (1.0, 1.4):
+        slowdowns = [speed] * 6  # two limits: four limit calls a round
+        runners, limits = drifting_machine(slowdowns)
+        taken, _ = rounds.take_turns(
+            {"HF eager b1": runners["HF"], "demollm b1": runners["demollm"]},
+            repeats=2,
+            limits={"read": limits["read"], "gemv b1": limits["read"]},
+        )
+        measured.append(decode.DecodeRounds(10 * 10**9, {}, ["HF eager b1", "demollm b1"], taken))
+    result = decode.summarize("made_up", [1], 8, 4, decode.torch.float32, measured)
+    assert (result["rounds"], result["processes"]) == (4, 2)
+    hf, ours = result["rows"][0]["runners"]
+    assert ours["vs_reference"]["median"] == pytest.approx(0.5) and ours["vs_reference"]["n"] == 4
+    assert ours["pct_of_read"]["p10"] == pytest.approx(ours["pct_of_read"]["p90"])
+    assert ours["decode_ms"]["p90"] == pytest.approx(140.0) and ours["decode_ms"]["p10"] == pytest.approx(
+        100.0
+    )
+    assert "4 rounds, 2 in each of 2 fresh processes" in "\n".join(decode.markdown(result))
+    measured[1].weight_bytes += 1
+    with pytest.raises(RuntimeError, match="different bytes"):
+        decode.summarize("made_up", [1], 8, 4, decode.torch.float32, measured)

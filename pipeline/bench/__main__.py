@@ -338,17 +338,6 @@ def plot_path(given: Path | None, rows, output: Path) -> Path:
     return given or (output.with_suffix(".png") if is_part(rows) else DEFAULT_PLOT)
 
 
-def in_child(fn, *args):
-    """fn(*args) in a fresh process (spawned: no copy of this one's memory), its result returned;
-    the memory of the model it loads goes back to the machine when it ends. A child that dies (the
-    kernel's OOM killer) raises BrokenProcessPool here: a multiprocessing.Pool waited forever."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mistral3")
@@ -362,6 +351,12 @@ def main() -> None:
     )
     parser.add_argument("--decode-batches", default="1,4")
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument(
+        "--decode-processes",
+        type=int,
+        default=3,
+        help="fresh processes the decode rows' rounds are split over (--repeats in all, rounded up)",
+    )
     parser.add_argument("--decode-dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt-len", type=int, default=128)
     # The per-backend rows' steps take 4-8 ms: 8 steps a sample and 5 rounds moved their ratios
@@ -443,6 +438,8 @@ def main() -> None:
         print("\n".join(gpu_markdown(gpu)))
         return
     rows = parse_rows(args.rows, args.output)
+    if args.decode_processes < 1:
+        raise SystemExit(f"--decode-processes {args.decode_processes}: pass 1 or more (fresh processes)")
     batches = [int(b) for b in args.decode_batches.split(",")]
     # First, while this process holds no model: the whole run (its memory check must see the
     # machine's free memory) and the read bandwidth.
@@ -473,8 +470,11 @@ def main() -> None:
             else []
         )
         if decodes:
+            per_process = -(-args.repeats // args.decode_processes)
             results["decode"] = [
-                in_child(decode.bench_decode, name, sizes, prompt_len, args.decode_steps, args.repeats, dtype)
+                decode.bench_decode(
+                    name, sizes, prompt_len, args.decode_steps, per_process, dtype, args.decode_processes
+                )
                 for name, sizes, prompt_len, dtype in decodes
             ]
         if "backends" in rows:

@@ -12,10 +12,12 @@ import contextlib
 import copy
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from pipeline.bench import rounds
+from pipeline.bench.child import in_child
 from pipeline.bench.limits import ReadLimit, WeightPass
 from pipeline.bench.prepare import advance, engine_of, prepared
 from pipeline.devices import dtype_name, sync
@@ -35,6 +37,16 @@ from pipeline.transforms.registry import model_passes_undone
 HF_EAGER = "HF eager generate"  # the reference every per-backend row is a ratio to
 
 
+@dataclass
+class DecodeRounds:
+    """One process's decode rounds (measure_decode), pooled with other processes' by bench_decode."""
+
+    weight_bytes: int
+    routed: dict[int, int]  # batch -> bytes a step reads with the routed experts only (MoE)
+    runners: list[str]
+    rounds: list[rounds.Round]
+
+
 def bench_decode(
     name: str,
     batches: list[int],
@@ -42,13 +54,31 @@ def bench_decode(
     steps: int,
     repeats: int,
     dtype: torch.dtype = torch.float32,
+    processes: int = 0,
 ) -> dict:
+    """The decode rows (measure_decode): `repeats` rounds in each of `processes` fresh processes,
+    pooled, or with processes=0 in this one. A process's own state moves some runners' times by
+    more than a round's noise: on 2026-12-02 Hugging Face eager's float32 batch-4 step (MKL's
+    GEMM) measured 2497 ms (p10-p90 2378-2545) in one run and 3014 in the next, while demollm's in
+    the same rounds went 816 -> 771, and the 1 GiB reduction read 23.1 GB/s in one process and
+    24.7 in the next while the GEMV pass held 23.1/23.0. A row measured in one process carries
+    that process's draw in its median; rounds from several carry a spread of them. Each process
+    also leaves the float32 model's memory behind: one process's decode rows of both dtypes held
+    21 GB resident in the bfloat16 rows and ran out of memory here."""
+    args = (name, batches, prompt_len, steps, repeats, dtype)
+    measured = (
+        [in_child(measure_decode, *args) for _ in range(processes)] if processes else [measure_decode(*args)]
+    )
+    return summarize(name, batches, prompt_len, steps, dtype, measured)
+
+
+def measure_decode(
+    name: str, batches: list[int], prompt_len: int, steps: int, repeats: int, dtype: torch.dtype
+) -> DecodeRounds:
     """Hugging Face eager and demollm on the same weights (and, where the onednn_linear transform
     put oneDNN's inner product in the graph, demollm again with F.linear in its place), taking turns
     per round (rounds.py) with two limits measured around each round's samples: the read bandwidth
-    and the GEMV pass over the step's own weights (limits.WeightPass) at each batch. Run it in a
-    fresh process (`bench.__main__.in_child`): one process's decode rows of both dtypes kept the
-    float32 model's memory (21 GB resident in the bfloat16 rows) and ran out of memory here.
+    and the GEMV pass over the step's own weights (limits.WeightPass) at each batch.
 
     Where match_moe put `pipeline::moe` in the graph, demollm runs again with each moe as Hugging
     Face's all-experts form ("demollm all experts"), and demollm's read rate counts the bytes a
@@ -91,6 +121,22 @@ def bench_decode(
         rounds_, errors = rounds.take_turns(runners, repeats, limits)
     if errors:
         raise RuntimeError(f"decode rows failed: {errors}")
+    return DecodeRounds(weight_bytes, routed, list(runners), rounds_)
+
+
+def summarize(
+    name: str,
+    batches: list[int],
+    prompt_len: int,
+    steps: int,
+    dtype: torch.dtype,
+    measured: list[DecodeRounds],
+) -> dict:
+    """The rows of one or more processes' rounds, pooled: every ratio is still taken within a round."""
+    first = measured[0]
+    if any(m.weight_bytes != first.weight_bytes or m.routed != first.routed for m in measured):
+        raise RuntimeError(f"{name}: the processes' models read different bytes a step")
+    rounds_ = [r for m in measured for r in m.rounds]
     rows = []
     for b in batches:
         named = {"read": "read", "gemv": f"gemv b{b}"}
@@ -100,17 +146,19 @@ def bench_decode(
             {
                 "batch": b,
                 "gemv_pass_gbs": rounds.spread([r.limits[f"gemv b{b}"] for r in rounds_]),
-                **({"routed_bytes": routed[b]} if b in routed else {}),
+                **({"routed_bytes": first.routed[b]} if b in first.routed else {}),
                 "runners": [
                     rounds.row(
                         rounds_,
                         runner,
                         hf,
-                        weight_bytes if runner in reads_every_expert else routed.get(b, weight_bytes),
+                        first.weight_bytes
+                        if runner in reads_every_expert
+                        else first.routed.get(b, first.weight_bytes),
                         named,
                     )
                     | {"runner": runner.removesuffix(f" b{b}")}
-                    for runner in runners
+                    for runner in first.runners
                     if runner.endswith(f" b{b}")
                 ],
             }
@@ -120,8 +168,9 @@ def bench_decode(
         "dtype": dtype_name(dtype),
         "prompt_len": prompt_len,
         "steps": steps,
-        "rounds": repeats,
-        "weight_bytes": weight_bytes,
+        "rounds": len(rounds_),
+        "processes": len(measured),
+        "weight_bytes": first.weight_bytes,
         "read_limit_gbs": rounds.spread([r.limits["read"] for r in rounds_]),
         "rows": rows,
     }
@@ -417,14 +466,25 @@ def label(results: dict, decode: dict) -> str:
     return f"decode {model}{decode['dtype']}"
 
 
+def _rounds_text(result: dict) -> str:
+    processes = result.get("processes", 1)  # results of runs before the rows took several processes: one
+    if processes == 1:
+        return f"{result['rounds']} rounds after a warm-up round"
+    return (
+        f"{result['rounds']} rounds, {result['rounds'] // processes} in each of {processes} fresh processes "
+        f"after a warm-up round of its own, pooled (a process's own state moved some rows by 20 % "
+        f"between runs here: notes.md)"
+    )
+
+
 def markdown(result: dict) -> list[str]:
     lines = [
         f"## Decode, `model={result['model']}` ({result['dtype']}, CPU, prompt {result['prompt_len']} tokens)",
         "",
         f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; also with F.linear "
         f"in place of the linear kernel the transforms chose: oneDNN's inner product in float32, the "
-        f"bfloat16 GEMV kernel where it applies) on the same weights take turns, "
-        f"{result['rounds']} rounds after a warm-up round. Two limits are measured before and after each "
+        f"bfloat16 GEMV kernel where it applies) on the same weights take turns, {_rounds_text(result)}. "
+        f"Two limits are measured before and after each "
         f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
         f"for the round: the read bandwidth of a 1 GiB float32 reduction "
         f"({_cell(result['read_limit_gbs'], 1, ' GB/s')} over the rounds) and the GEMV pass: every "
