@@ -68,6 +68,8 @@ FAMILY_OF = {
     "llama": "llama",
     "qwen2_5_vl": "qwen2_5_vl",
     "llama4": "llama4",
+    "mixtral": "mistral",
+    "qwen3_moe": "qwen2_5_vl",
 }
 WORDS = (
     "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import save_checkpoint
-from conftest import TINY_MODELS, build_tiny, compose_dict, generated_tokens, run_pipeline
+from conftest import TINY_MODELS, TINY_MOE, build_tiny, compose_dict, generated_tokens, run_pipeline
 from PIL import Image
 from test_runtime import hf_inputs
 from two_ranks import spawn
@@ -21,7 +21,8 @@ from two_ranks import spawn
 from pipeline.__main__ import check_config
 from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.errors import ConfigError, StageFailure
-from pipeline.models import zoo
+from pipeline.models import checkpoint, zoo
+from pipeline.models.deferred import DeferredWeights
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
@@ -176,6 +177,68 @@ def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(tp_weigh
         if tp_weights == "shard":  # far less than the split weights whole, and nothing read to be cut
             filled, whole = rank["sliced"]
             assert filled < 0.75 * whole and rank["read"] <= rank["held"], rank
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory) -> dict[str, Path]:
+    """The tiny MoE text models saved as Hugging Face folders: save_pretrained writes each
+    expert's gate/up/down (Mixtral's w1/w3/w2) as a tensor of its own, which the model stacks on load."""
+    root = tmp_path_factory.mktemp("moe_checkpoints")
+    return {name: save_checkpoint(build_tiny(name, seed=7)[0], root / name) for name in TINY_MOE}
+
+
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_a_ranks_load_builds_the_experts_hugging_face_stacks(name, moe_folders):
+    """runtime.tp_weights=shard's load (checkpoint.load_slices) of a folder whose experts are saved
+    one by one holds every weight Hugging Face's from_pretrained holds, stacked experts included."""
+    folder = moe_folders[name]
+    keys = json.loads((folder / checkpoint.INDEX).read_text())["weight_map"]
+    assert any(".experts.0." in k for k in keys) and not any(k.endswith("experts.gate_up_proj") for k in keys)
+    hf_config = json.loads((folder / "config.json").read_text())
+    cls = check_config(
+        compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False
+    ).model_cls
+    reference = cls.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    model, report = checkpoint.load_slices(
+        cls,
+        str(folder),
+        reference.config,
+        torch.float32,
+        torch.device("cpu"),
+        None,
+        lambda path, module, name: False,  # nothing deferred: every weight read here
+        DeferredWeights(),
+    )
+    assert report.unexpected == [] and hf_config["model_type"] == reference.config.model_type
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and any("experts.gate_up_proj" in k for k in ours)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_MOE)
+def test_two_ranks_with_sliced_weights_generate_what_hugging_face_generates_from_a_moe_folder(
+    name, moe_folders
+):
+    """runtime.world_size=2, tp_weights=shard on a saved Mixtral / Qwen3-MoE folder: each rank reads
+    its slices of the attention linears and the lm_head, the experts built whole from their per-expert
+    tensors, and both generate the tokens of Hugging Face's from_pretrained + generate."""
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={moe_folders[name]}",
+        f"prompt.queries={hydra_value(_queries(name, None))}",
+        "prompt.output_len=6",
+        "capture=partial",
+    ]
+    ranks = spawn(_generate_on_rank, [*overrides, "runtime.tp_weights=shard"])
+    cls = check_config(compose_dict(overrides), cuda_available=False).model_cls
+    reference = _hf_reference(cls, moe_folders[name], ranks[0]["requests"], torch.float32, 6)
+    for rank in ranks:
+        assert rank["sharded"], rank  # the attention regions at least, and the lm_head
+        assert rank["tokens"] == reference, (rank["rank"], rank["tokens"], reference)
+        filled, whole = rank["sliced"]
+        assert filled < whole, rank
 
 
 def _copy(folder: Path, into: Path) -> Path:

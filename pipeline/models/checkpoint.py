@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,12 +143,50 @@ def load(
     )
 
 
-def _sources(model: nn.Module, folder: Path) -> tuple[dict[str, tuple[str, str]], list[str]]:
+@dataclass
+class Assembled:
+    """A weight Hugging Face assembles on load from several of the folder's tensors (a Mixtral
+    layer's experts stacked from per-expert w1/w3/w2): the model's conversion mapping's converter and,
+    per source pattern, the (file, key) of each part in expert order."""
+
+    converter: object  # transformers' WeightConverter
+    # source pattern -> (expert index, file, key) of each part
+    parts: dict[str, list[tuple[int, str, str]]] = field(default_factory=dict)
+
+    def read(self, opened, hf_config) -> torch.Tensor:
+        """The weight as Hugging Face's own conversion ops build it from the parts."""
+        tensors = {
+            pattern: [opened(file).get_tensor(key) for _, file, key in sorted(parts)]
+            for pattern, parts in self.parts.items()
+        }
+        for op in self.converter.operations:
+            tensors = op.convert(
+                tensors,
+                source_patterns=self.converter.source_patterns,
+                target_patterns=self.converter.target_patterns,
+                config=hf_config,
+            )
+        (tensor,) = tensors.values()
+        return tensor
+
+
+def _part_index(pattern: str, key: str) -> int:
+    """The number the pattern's `*` stands for in key (the expert), 0 for a pattern without one."""
+    if "*." not in pattern:
+        return 0
+    found = re.search(re.escape(pattern).replace(re.escape("*."), r"(\d+)\."), key)
+    return int(found.group(1)) if found else 0
+
+
+def _sources(
+    model: nn.Module, folder: Path
+) -> tuple[dict[str, tuple[str, str]], dict[str, Assembled], list[str]]:
     """Model parameter name -> (safetensors file, key) of the folder's tensor that loads into it
     unchanged, named as Hugging Face's own loading names it (the model's conversion mapping: a
-    saved Mistral3 keeps its language model at `language_model.model.*`, say); and the folder's keys
-    that load into nothing. A key Hugging Face converts on load (experts stacked from per-expert
-    tensors) is not a source: what needs it is reported missing."""
+    saved Mistral3 keeps its language model at `language_model.model.*`, say); the parameters
+    Hugging Face converts on load from several tensors (experts stacked from per-expert tensors:
+    save_pretrained writes Mixtral's and Qwen3-MoE's experts one by one), each with its parts; and
+    the folder's keys that load into nothing."""
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -156,18 +195,22 @@ def _sources(model: nn.Module, folder: Path) -> tuple[dict[str, tuple[str, str]]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     names = dict.fromkeys(model.state_dict(keep_vars=True))
-    sources, unused = {}, []
+    sources, assembled, unused = {}, {}, []
     for file in weight_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
-                target, converter = rename_source_key(
+                target, pattern = rename_source_key(
                     key, renamings, converters, model.base_model_prefix, names
                 )
-                if converter is None and target in names:
+                if target not in names:
+                    unused.append(key)
+                elif pattern is None:
                     sources[target] = (str(file), key)
                 else:
-                    unused.append(key)
-    return sources, unused
+                    converter = next(c for c in converters if pattern in c.source_patterns)
+                    parts = assembled.setdefault(target, Assembled(converter)).parts
+                    parts.setdefault(pattern, []).append((_part_index(pattern, key), str(file), key))
+    return sources, assembled, unused
 
 
 def load_slices(
@@ -188,21 +231,33 @@ def load_slices(
 
     start = time.perf_counter()
     model = build.on_meta(model_cls, hf_config, device, attn_implementation)
-    sources, unused = _sources(model, Path(path))
+    sources, assembled, unused = _sources(model, Path(path))
     done: dict[int, nn.Parameter] = {}  # id(meta param) -> its tensor: tied weights stay one
     missing, mismatched = [], []
     with contextlib.ExitStack() as files:
-        opened = {}
+        handles = {}
+
+        def opened(file: str):
+            if file not in handles:
+                handles[file] = files.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return handles[file]
+
         for module_path, module, name, param in build.parameter_owners(model):
             full = f"{module_path}.{name}".lstrip(".")
             if id(param) not in done:
+                if full in assembled:  # whole: a slice would need a slice of every part (experts stay whole)
+                    tensor = assembled[full].read(opened, hf_config)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        mismatched.append(f"{full} {tuple(tensor.shape)} vs {tuple(param.shape)}")
+                        continue
+                    done[id(param)] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+                    module._parameters[name] = done[id(param)]
+                    continue
                 if full not in sources:
                     missing.append(full)
                     continue
                 file, key = sources[full]
-                if file not in opened:
-                    opened[file] = files.enter_context(safe_open(file, framework="pt", device="cpu"))
-                stored = opened[file].get_slice(key)
+                stored = opened(file).get_slice(key)
                 if tuple(stored.get_shape()) != tuple(param.shape):
                     mismatched.append(f"{full} {tuple(stored.get_shape())} vs {tuple(param.shape)}")
                     continue
@@ -215,9 +270,9 @@ def load_slices(
             module._parameters[name] = done[id(param)]
     if missing:
         raise StageFailure(
-            f"model.checkpoint={path} lacks {len(missing)} weight(s) of {model_cls.__name__} as stored tensors: "
-            f"{_names(missing)}; runtime.tp_weights=shard reads tensors the folder holds as they are (not ones "
-            "Hugging Face assembles on load, such as stacked experts): use runtime.tp_weights=whole"
+            f"model.checkpoint={path} lacks {len(missing)} weight(s) of {model_cls.__name__}: "
+            f"{_names(missing)}; Hugging Face would initialise them randomly: give a complete folder, or "
+            "model.skip_loading_weights=true for random weights throughout"
         )
     if mismatched:
         raise StageFailure(
