@@ -41,7 +41,7 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
             # one round in each of two fresh processes, pooled
             "--decode-processes",
             "2",
-            "--prompt-len",
+            "--decode-prompt-len",
             "16",
             "--prefill-tokens",
             "16,32",

@@ -126,7 +126,9 @@ def test_rounds_of_several_processes_are_pooled_ratios_still_per_round():
     assert ours["decode_ms"]["p90"] == pytest.approx(140.0) and ours["decode_ms"]["p10"] == pytest.approx(
         100.0
     )
-    assert "4 rounds, 2 in each of 2 fresh processes" in "\n".join(decode.markdown(result))
+    assert ours["process_ms"] == [pytest.approx(100.0), pytest.approx(140.0)]
+    text = "\n".join(decode.markdown(result))
+    assert "4 rounds, 2 in each of 2 fresh processes" in text and "batch 1 demollm 100 / 140" in text
     measured[1].weight_bytes += 1
     with pytest.raises(RuntimeError, match="different bytes"):
         decode.summarize("made_up", [1], 8, 4, decode.torch.float32, measured)

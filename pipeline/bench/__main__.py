@@ -358,7 +358,11 @@ def main() -> None:
         help="fresh processes the decode rows' rounds are split over (--repeats in all, rounded up)",
     )
     parser.add_argument("--decode-dtypes", default="float32,bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt of the per-backend rows")
+    # The decode rows time decode steps; their samples' prefills only fill the cache. On a CPU
+    # without oneDNN bf16 a 128-token prefill at batch 4 runs ATen's bf16 loops (about 1 TFLOP for
+    # mistral3's two layers): one bfloat16 process of the decode rows had not finished after 16 min.
+    parser.add_argument("--decode-prompt-len", type=int, default=32, help="prompt of the decode rows")
     # The per-backend rows' steps take 4-8 ms: 8 steps a sample and 5 rounds moved their ratios
     # to HF by 10 % between runs (0.941 -> 1.04), 32 steps and 15 rounds by 4.5 % over three runs.
     parser.add_argument("--backend-steps", type=int, default=32, help="decode steps a per-backend sample")
@@ -456,7 +460,8 @@ def main() -> None:
         if "export" in rows:
             results["export"] = bench_export(args.model, args.repeats)
         decodes = [
-            (args.model, batches, args.prompt_len, getattr(torch, d)) for d in args.decode_dtypes.split(",")
+            (args.model, batches, args.decode_prompt_len, getattr(torch, d))
+            for d in args.decode_dtypes.split(",")
         ]
         moe = [int(b) for b in args.moe_batches.split(",")]
         moe_left_out = (

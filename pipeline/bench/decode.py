@@ -157,7 +157,13 @@ def summarize(
                         else first.routed.get(b, first.weight_bytes),
                         named,
                     )
-                    | {"runner": runner.removesuffix(f" b{b}")}
+                    | {
+                        "runner": runner.removesuffix(f" b{b}"),
+                        # each process's median step: how far a process's own state moved it
+                        "process_ms": [
+                            1000 * statistics.median(r.samples[runner][0] for r in m.rounds) for m in measured
+                        ],
+                    }
                     for runner in first.runners
                     if runner.endswith(f" b{b}")
                 ],
@@ -510,4 +516,15 @@ def markdown(result: dict) -> list[str]:
                 f"{_cell(runner['pct_of_read'], 0, ' %')} | {_cell(runner['pct_of_gemv'], 0, ' %')} | "
                 f"{'NOISY: ' + ', '.join(noisy) if noisy else ''} |"
             )
+    if result.get("processes", 1) > 1:
+        lines += [
+            "",
+            "Each process's median ms/step, process by process: "
+            + "; ".join(
+                f"batch {r['batch']} {runner['runner']} {' / '.join(f'{ms:.0f}' for ms in runner['process_ms'])}"
+                for r in result["rows"]
+                for runner in r["runners"]
+            )
+            + ".",
+        ]
     return lines
