@@ -194,7 +194,6 @@ def test_a_ranks_load_builds_the_experts_hugging_face_stacks(name, moe_folders):
     folder = moe_folders[name]
     keys = json.loads((folder / checkpoint.INDEX).read_text())["weight_map"]
     assert any(".experts.0." in k for k in keys) and not any(k.endswith("experts.gate_up_proj") for k in keys)
-    hf_config = json.loads((folder / "config.json").read_text())
     cls = check_config(
         compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False
     ).model_cls
@@ -209,7 +208,7 @@ def test_a_ranks_load_builds_the_experts_hugging_face_stacks(name, moe_folders):
         lambda path, module, name: False,  # nothing deferred: every weight read here
         DeferredWeights(),
     )
-    assert report.unexpected == [] and hf_config["model_type"] == reference.config.model_type
+    assert report.unexpected == []
     ours, theirs = model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys() and any("experts.gate_up_proj" in k for k in ours)
     for key, value in theirs.items():

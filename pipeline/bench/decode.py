@@ -478,8 +478,7 @@ def _rounds_text(result: dict) -> str:
         return f"{result['rounds']} rounds after a warm-up round"
     return (
         f"{result['rounds']} rounds, {result['rounds'] // processes} in each of {processes} fresh processes "
-        f"after a warm-up round of its own, pooled (a process's own state moved some rows by 20 % "
-        f"between runs here: notes.md)"
+        f"after a warm-up round of its own, pooled (a process's own state sets some runners' speed: notes.md)"
     )
 
 
