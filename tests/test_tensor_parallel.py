@@ -216,3 +216,74 @@ def test_torchrun_runs_the_same_job(tmp_path, tracking_uri):
     _, runs = mlflow_runs(tracking_uri)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert (run_dir / "rank1" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_over_two_nodes_meets_at_a_rendezvous(tmp_path, tracking_uri):
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous as two hosts would
+    (`--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host0:port`): each agent's Hydra makes a run
+    folder of its own, as on two hosts; the job's run folder is rank 0's, rank 1 writes `rank1/` in
+    it and drops its own, and the job is one MLflow run."""
+    endpoint, job = f"127.0.0.1:{free_port()}", f"job{os.getpid()}"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "-m", "pipeline",
+        *ARGS, "profile.enabled=false", "runtime.world_size=2", f"tracking.uri={tracking_uri}",
+    ]  # fmt: skip
+    agents = [
+        subprocess.Popen(
+            [*command, f"hydra.run.dir={tmp_path / f'node{node}'}"],
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for node in (0, 1)
+    ]
+    ended = [agent.communicate(timeout=600) for agent in agents]
+    for agent, (_, stderr) in zip(agents, ended, strict=True):
+        assert agent.returncode == 0, stderr[-3000:]
+    # Which agent's process became rank 0 is the rendezvous's choice: the job's folder is its.
+    roots = [tmp_path / f"node{node}" for node in (0, 1) if (tmp_path / f"node{node}" / "rank1").exists()]
+    assert len(roots) == 1, sorted(p.name for p in tmp_path.iterdir())
+    root = roots[0]
+    assert generated_tokens(root) and generated_tokens(root) == generated_tokens(root / "rank1")
+    assert {p.name for p in tmp_path.iterdir() if p.name.startswith("node")} == {root.name}
+    _, runs = mlflow_runs(tracking_uri)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.params["world_size"] == "2"
+
+
+@pytest.mark.slow
+def test_a_sweep_of_tensor_parallel_jobs_through_submitit(tmp_path, tracking_uri):
+    """hydra/launcher=local (hydra-submitit-launcher's local executor, the SLURM launcher's code
+    path): each job, a process of submitit's, spawns its own two ranks; each job is one child run of
+    the sweep's parent, holding rank 1's folder, and the two ways of finding the tuples give the same
+    tokens."""
+    proc = run_pipeline(
+        [
+            "-m",
+            "hydra/launcher=local",
+            *ARGS,
+            "profile.enabled=false",
+            "runtime.world_size=2",
+            "transforms.shard.source=heuristic,tp_plan",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client, runs = mlflow_runs(tracking_uri)
+    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(runs) == 3 and len(children) == 2, [r.info.run_name for r in runs]
+    assert all(r.info.status == "FINISHED" and r.data.params["world_size"] == "2" for r in children)
+    for run in children:
+        assert "rank1/summary.json" in {f.path for f in client.list_artifacts(run.info.run_id, "rank1")}
+    jobs = sorted(p for p in (tmp_path / "multirun").glob("*") if (p / "rank1").is_dir())
+    assert len(jobs) == 2, sorted(p.name for p in (tmp_path / "multirun").iterdir())
+    tokens = [generated_tokens(job) for job in jobs]
+    assert tokens[0] and tokens[0] == tokens[1] == generated_tokens(jobs[0] / "rank1")
+    assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 2
