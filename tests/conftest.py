@@ -200,6 +200,11 @@ def mlflow_runs(uri: str, experiment: str = "pipeline"):
     return client, ([] if exp is None else client.search_runs([exp.experiment_id]))
 
 
+def child_runs(runs, parent) -> list:
+    """The runs of a sweep whose MLflow parent is `parent`."""
+    return [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+
+
 @contextlib.contextmanager
 def mlflow_server(store_uri: str, *extra: str):
     """`mlflow server` on a free 127.0.0.1 port for the duration; yields its URL once /health answers."""

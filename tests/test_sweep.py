@@ -4,7 +4,7 @@ with their stage and cause, a comparison at the end; parallel jobs with the jobl
 from __future__ import annotations
 
 import pytest
-from conftest import mlflow_runs, run_pipeline
+from conftest import child_runs, mlflow_runs, run_pipeline
 
 from pipeline.sweep import decode_figure, job_rows, summary_metrics, swept_keys
 
@@ -58,10 +58,6 @@ def test_decode_plot_has_a_panel_per_model_and_draws_failed_jobs_as_failed():
     assert tags == {"best_job": "qwen3·none", "worst_job": "mistral3·none"}
 
 
-def _children(runs, parent):
-    return [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-
-
 def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     proc = run_pipeline(
         [
@@ -92,7 +88,7 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     assert parent.data.metrics["sweep/jobs"] == 3 and parent.data.metrics["sweep/failed"] == 1
     assert parent.data.metrics["sweep/best_decode_ms"] <= parent.data.metrics["sweep/worst_decode_ms"]
     assert parent.data.tags["best_job"] in ("eager", "partial")
-    children = _children(runs, parent)
+    children = child_runs(runs, parent)
     status = {r.info.run_name: r.info.status for r in children}
     assert status == {"eager": "FINISHED", "full": "FAILED", "partial": "FINISHED"}
     failed = next(r for r in children if r.info.status == "FAILED")
@@ -124,7 +120,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
     parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
-    children = _children(runs, parent)
+    children = child_runs(runs, parent)
     assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
     assert all(
         "latency/decode_ms" in r.data.metrics and "profile/coverage_pct" in r.data.metrics for r in children
@@ -154,7 +150,7 @@ def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, t
     _, runs = mlflow_runs(tracking_uri)
     parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
     assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 1
-    children = _children(runs, parent)
+    children = child_runs(runs, parent)
     status = sorted((r.info.run_name, r.info.status) for r in children)
     assert [s for _, s in status] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"], status
     assert status[2][0].startswith("mistral3·full")

@@ -16,6 +16,7 @@ import time
 import pytest
 from conftest import (
     REPO_ROOT,
+    child_runs,
     compose_dict,
     generated_tokens,
     mlflow_runs,
@@ -277,7 +278,7 @@ def test_a_sweep_of_tensor_parallel_jobs_through_submitit(tmp_path, tracking_uri
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = mlflow_runs(tracking_uri)
     parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    children = child_runs(runs, parent)
     assert len(runs) == 3 and len(children) == 2, [r.info.run_name for r in runs]
     assert all(r.info.status == "FINISHED" and r.data.params["world_size"] == "2" for r in children)
     for run in children:
