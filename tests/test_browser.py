@@ -111,7 +111,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         for i in range(images.count()):
             image = images.nth(i)
             image.scroll_into_view_if_needed()
-            assert image.evaluate("e => e.complete && e.naturalWidth > 100"), i
+            assert _image_loads(page, image, min_width=100), i
             shown.add(image.evaluate("e => new URL(e.src).searchParams.get('run_uuid')"))
 
         child_ids = {c.info.run_id for c in children}
@@ -120,7 +120,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         images.first.click()  # the thumbnail opens the full-size plot
         full = page.locator(".rc-image-preview img").first
         full.wait_for(timeout=30_000)
-        assert full.evaluate("e => e.complete && e.naturalWidth > 1000")
+        assert _image_loads(page, full, min_width=1000)
         page.screenshot(path=SHOTS / "chart_view.png")
 
         # Artifact compare: the module tables (log_table) of one model's two capture modes.
@@ -147,9 +147,28 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         )
         image = page.locator("img[src^='blob:']").first  # the artifact viewer's image
         image.wait_for(timeout=60_000)
-        assert image.evaluate("img => img.naturalWidth") > 500
+        assert _image_loads(page, image, min_width=500)
         page.screenshot(path=SHOTS / "artifact_plot.png")
         browser.close()
+
+
+def _image_loads(page, image, min_width: int, timeout_ms: int = 60_000) -> bool:
+    """Whether `image` finishes loading at least `min_width` pixels wide within the timeout. An
+    <img> is visible before its bytes arrive: the full-size preview once read complete=false right
+    after it appeared (CI, beside the other test worker), so the check waits for the load."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            "([e, w]) => e.complete && e.naturalWidth > w",
+            arg=[image.element_handle(), min_width],
+            timeout=timeout_ms,
+        )
+    except PlaywrightTimeout:
+        state = image.evaluate("e => [e.complete, e.naturalWidth, e.src.slice(0, 120)]")
+        print(f"image not loaded after {timeout_ms} ms: [complete, naturalWidth, src] = {state}")
+        return False
+    return True
 
 
 def close_assistant(page) -> None:
