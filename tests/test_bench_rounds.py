@@ -60,6 +60,16 @@ def test_a_failing_runner_is_reported_not_fatal():
     assert "division by zero" in errors["broken"] and all("demollm" in r.samples for r in taken)
 
 
+def test_without_a_warm_up_the_first_sample_is_kept():
+    """Samples that are each a fresh process's first (the load row) have nothing to warm up."""
+    samples = iter([3.0, 1.0, 2.0])
+    taken, _ = rounds.take_turns(
+        {"ours": lambda: (next(samples), 0.0)}, repeats=3, limits={"read": lambda: 50.0}, warm_up=False
+    )
+    assert [r.samples["ours"][0] for r in taken] == [3.0, 1.0, 2.0]
+    assert all(r.limits == {"read": 50.0} for r in taken)
+
+
 def bench_result(ratio: float, pct: float, step_ms: float, noisy: bool = False) -> dict:
     spread = lambda v: {"median": v, "p10": v, "p90": v, "n": 5}  # noqa: E731
     runner = {

@@ -12,10 +12,8 @@ machine, its load and the library versions are printed with the results.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +21,11 @@ import torch
 
 from pipeline import REPO_ROOT
 from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, tensor_parallel
-from pipeline.bench.prepare import advance, new_state, prepared, release
+from pipeline.bench.load import bench_load
+from pipeline.bench.prepare import prepared
 from pipeline.export import graph_capture
 from pipeline.kernels import cpu_gemv
 from pipeline.runtime.machine_load import MachineLoad
-
-LOAD_TARGET_S = 15.0
 
 
 def machine() -> dict[str, str]:
@@ -65,48 +62,6 @@ def cpu_isa() -> str:
     flags = cpu_gemv.cpu_flags()
     bf16 = cpu_gemv.onednn_bf16()
     return " ".join([f for f in ISA_FLAGS if f in flags] + [f"onednn_bf16={'yes' if bf16 else 'no'}"])
-
-
-def bench_load(name: str, repeats: int, reference: bool) -> dict:
-    """The load stage as the pipeline runs it (random init on the meta-built model) and, when
-    `reference`, Hugging Face's own init of the same class, taking turns in rounds (rounds.py; about
-    25 s a Hugging Face sample here): each a spread, the speed-up taken within each round."""
-    cpu = torch.device("cpu")
-    built: dict = {}
-
-    def ours() -> rounds.Sample:
-        with tempfile.TemporaryDirectory() as tmp:
-            state = new_state([f"model={name}", "seed=0"], torch.float32, cpu, Path(tmp))
-            start = time.perf_counter()
-            advance(state, "load")
-            seconds = time.perf_counter() - start
-            built.update(params=state.model_info.params, hf_config=state.hf_config, cls=type(state.model))
-            release(state)
-        gc.collect()
-        return seconds, 0.0
-
-    def hf_init() -> rounds.Sample:
-        start = time.perf_counter()
-        model = built["cls"]._from_config(built["hf_config"])  # Hugging Face's own init, on real memory
-        seconds = time.perf_counter() - start
-        del model
-        gc.collect()
-        return seconds, 0.0
-
-    runners = {"ours": ours, **({"HF init": hf_init} if reference else {})}
-    taken, errors = rounds.take_turns(runners, repeats)
-    if errors:
-        raise RuntimeError(f"load rows failed: {errors}")
-    row = {
-        "params": built["params"],
-        "ours_s": rounds.spread([r.samples["ours"][0] for r in taken]),
-        "target_s": LOAD_TARGET_S,
-    }
-    if reference:
-        row["hf_init_s"] = rounds.spread([r.samples["HF init"][0] for r in taken])
-        # HF init / ours within each round: how many times faster ours is
-        row["speedup"] = rounds.spread([r.samples["HF init"][0] / r.samples["ours"][0] for r in taken])
-    return row
 
 
 def bench_export(name: str, repeats: int) -> dict:
@@ -203,6 +158,13 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
         lines.append(
             f"| export of `{export['submodule']}` | {rounds.shown(export['export_s'], 1, ' s')} | - | - | - |"
         )
+    if results.get("load", {}).get("processes") == "fresh":
+        lines += [
+            "",
+            f"Each load sample is the first load of a fresh process, as a run loads once; "
+            f"{results['load']['ours_s']['n']} rounds, ours and Hugging Face's init taking turns, the ratio "
+            "taken within each round.",
+        ]
     return lines
 
 
@@ -346,8 +308,8 @@ def main() -> None:
     parser.add_argument(
         "--load-rounds",
         type=int,
-        default=3,
-        help="rounds of our load and Hugging Face's init (about 30 s each)",
+        default=5,
+        help="rounds of our load and Hugging Face's init, each in a fresh process (about 65 s a round)",
     )
     parser.add_argument("--decode-batches", default="1,4")
     parser.add_argument("--decode-steps", type=int, default=8)

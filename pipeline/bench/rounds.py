@@ -50,17 +50,20 @@ def take_turns(
     runners: dict[str, Callable[[], Sample]],
     repeats: int,
     limits: dict[str, Callable[[], float]] | None = None,
+    warm_up: bool = True,
 ) -> tuple[list[Round], dict[str, str]]:
-    """`repeats` rounds after a warm-up round: each limit, one sample of each runner, each limit
-    again. Returns the rounds and each failed runner's error (a runner that fails is reported, not
-    allowed to hide the others)."""
+    """`repeats` rounds after a warm-up round (none when each sample is its own fresh process):
+    each limit, one sample of each runner, each limit again. Returns the rounds and each failed
+    runner's error (a runner that fails is reported, not allowed to hide the others)."""
     from pipeline.errors import short_cause
 
     limits = limits or {}
     rounds: list[Round] = []
     errors: dict[str, str] = {}
-    for number in range(repeats + 1):
-        before = {name: measure() for name, measure in limits.items()} if number else {}
+    warm_ups = 1 if warm_up else 0
+    for number in range(repeats + warm_ups):
+        kept = number >= warm_ups
+        before = {name: measure() for name, measure in limits.items()} if kept else {}
         current = Round()
         for runner, sample in runners.items():
             if runner in errors:
@@ -69,7 +72,7 @@ def take_turns(
                 current.samples[runner] = sample()
             except Exception as exc:  # recorded in the table
                 errors[runner] = short_cause(exc)
-        if number:
+        if kept:
             current.limits = {name: (before[name] + measure()) / 2 for name, measure in limits.items()}
             rounds.append(current)
     return rounds, errors

@@ -1,0 +1,74 @@
+"""The load row: the pipeline's load stage (random init on the meta-built model) against Hugging
+Face's own init of the same class, each sample the first load of a fresh process, as
+`python -m pipeline` loads once per run.
+
+Why fresh processes: measured in one process, three rounds after a warm-up, the ratio held within
+each run (p10-p90 3.43-3.68) and moved between runs an hour apart (3.50 -> 3.13 on 2026-12-03,
+2.77 -> 2.24 and 2.98 -> 2.53 before): Hugging Face's init went 45.3 -> 38.7 s while ours held
+12.7 -> 12.4 s, so each run's single process drew one speed for the whole row. And a repeated load
+in one process is not what a run does: the first load of a process (its memory touched for the
+first time) took 14.7-15.9 s here where the repeats in one process took 12.4-12.7 s."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.bench import rounds
+from pipeline.bench.child import in_child
+from pipeline.bench.prepare import advance, new_state
+from pipeline.models import zoo
+
+LOAD_TARGET_S = 15.0
+OURS, HF_INIT = "ours", "HF init"
+
+
+def bench_load(name: str, repeats: int, reference: bool) -> dict:
+    """`repeats` rounds, each our load and (when `reference`) Hugging Face's init in a fresh
+    process each (about 15 s and 42 s on mistral3 here, plus a few seconds to start a process);
+    the speed-up taken within each round, where the machine's drift is shared. No warm-up round:
+    the first load of a process is the measurement."""
+    params: dict[str, int] = {}
+
+    def ours() -> rounds.Sample:
+        seconds, params["params"] = in_child(first_load, name, OURS)
+        return seconds, 0.0
+
+    def hf_init() -> rounds.Sample:
+        return in_child(first_load, name, HF_INIT)[0], 0.0
+
+    runners = {OURS: ours, **({HF_INIT: hf_init} if reference else {})}
+    taken, errors = rounds.take_turns(runners, repeats, warm_up=False)
+    if errors:
+        raise RuntimeError(f"load rows failed: {errors}")
+    row = {
+        "params": params["params"],
+        "ours_s": rounds.spread([r.samples[OURS][0] for r in taken]),
+        "target_s": LOAD_TARGET_S,
+        "processes": "fresh",
+    }
+    if reference:
+        row["hf_init_s"] = rounds.spread([r.samples[HF_INIT][0] for r in taken])
+        # HF init / ours within each round: how many times faster ours is
+        row["speedup"] = rounds.spread([r.samples[HF_INIT][0] / r.samples[OURS][0] for r in taken])
+    return row
+
+
+def first_load(name: str, which: str) -> tuple[float, int]:
+    """(seconds, parameters) of one load in this (fresh) process: the pipeline's load stage, or
+    Hugging Face's `_from_config` of the class that stage resolves, on real memory. The config is
+    composed and the class imported (its modeling module) before the clock starts, for both."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state = new_state([f"model={name}", "seed=0"], torch.float32, torch.device("cpu"), Path(tmp))
+        model_cls = zoo.resolve_model_class(state.cfg.model, state.hf_config)
+        if which == OURS:
+            start = time.perf_counter()
+            advance(state, "load")
+            return time.perf_counter() - start, state.model_info.params
+        start = time.perf_counter()
+        model = model_cls._from_config(state.hf_config)
+        seconds = time.perf_counter() - start
+        return seconds, sum(p.numel() for p in model.parameters())
