@@ -163,7 +163,9 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
             "",
             f"Each load sample is the first load of a fresh process, as a run loads once; "
             f"{results['load']['ours_s']['n']} rounds, ours and Hugging Face's init taking turns, the ratio "
-            "taken within each round.",
+            "taken within each round."
+            # a row taken over from a partial run (`--rows load`) says which
+            + (f" Measured {results['load']['measured']}." if "measured" in results["load"] else ""),
         ]
     return lines
 
