@@ -200,6 +200,11 @@ def mlflow_runs(uri: str, experiment: str = "pipeline"):
     return client, ([] if exp is None else client.search_runs([exp.experiment_id]))
 
 
+def sweep_parent(runs):
+    """The parent run a sweep made (tagged `sweep=parent`)."""
+    return next(r for r in runs if r.data.tags.get("sweep") == "parent")
+
+
 def child_runs(runs, parent) -> list:
     """The runs of a sweep whose MLflow parent is `parent`."""
     return [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, mlflow_runs, mlflow_server, run_pipeline
+from conftest import REPO_ROOT, mlflow_runs, mlflow_server, run_pipeline, sweep_parent
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -63,7 +63,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
     proc = run_pipeline(["model=tiny_llava", "capture=partial", *common], tmp_path / "single")
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
-    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    parent = sweep_parent(runs)
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     names = [r.info.run_name for r in runs]
     assert sorted(names) == sorted(

@@ -4,7 +4,7 @@ with their stage and cause, a comparison at the end; parallel jobs with the jobl
 from __future__ import annotations
 
 import pytest
-from conftest import child_runs, mlflow_runs, run_pipeline
+from conftest import child_runs, mlflow_runs, run_pipeline, sweep_parent
 
 from pipeline.sweep import decode_figure, job_rows, summary_metrics, swept_keys
 
@@ -74,7 +74,7 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     assert proc.returncode == 1, proc.stderr[-2000:]  # one job failed; the others and the comparison ran
     assert "sweep: 1 job(s) failed: full: export:" in proc.stderr
     client, runs = mlflow_runs(tracking_uri)
-    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    parent = sweep_parent(runs)
     assert parent.info.status == "FINISHED" and parent.data.tags["failed_jobs"] == "1"
     assert parent.info.run_name == "sweep·capture"
     assert parent.data.params == {
@@ -119,7 +119,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
-    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    parent = sweep_parent(runs)
     children = child_runs(runs, parent)
     assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
     assert all(
@@ -148,7 +148,7 @@ def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, t
     assert proc.returncode == 1, proc.stderr[-2000:]  # tiny_mistral3's vision tower cannot be exported
     assert "sweep: 1 job(s) failed:" in proc.stderr and ": export:" in proc.stderr
     _, runs = mlflow_runs(tracking_uri)
-    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    parent = sweep_parent(runs)
     assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 1
     children = child_runs(runs, parent)
     status = sorted((r.info.run_name, r.info.status) for r in children)

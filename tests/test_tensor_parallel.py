@@ -22,6 +22,7 @@ from conftest import (
     mlflow_runs,
     run_pipeline,
     start_paused,
+    sweep_parent,
 )
 
 from pipeline.__main__ import check_config
@@ -277,7 +278,7 @@ def test_a_sweep_of_tensor_parallel_jobs_through_submitit(tmp_path, tracking_uri
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = mlflow_runs(tracking_uri)
-    parent = next(r for r in runs if r.data.tags.get("sweep") == "parent")
+    parent = sweep_parent(runs)
     children = child_runs(runs, parent)
     assert len(runs) == 3 and len(children) == 2, [r.info.run_name for r in runs]
     assert all(r.info.status == "FINISHED" and r.data.params["world_size"] == "2" for r in children)
