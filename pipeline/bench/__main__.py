@@ -221,6 +221,7 @@ def _spread_or_value(value, digits: int, unit: str) -> str:
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
 NOTES = Path(__file__).with_name("notes.md")
+DEFAULT_OUTPUT = REPO_ROOT / "BENCHMARKS.md"
 DEFAULT_PLOT = REPO_ROOT / "outputs" / "readme" / "benchmarks.png"
 
 
@@ -290,16 +291,19 @@ def parse_rows(text: str, output: Path) -> list[str]:
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:
         raise SystemExit(f"--rows: unknown block(s) {unknown or [text]}; choose from {','.join(ROWS)}")
-    if is_part(rows) and output.resolve() == (REPO_ROOT / "BENCHMARKS.md").resolve():
+    if is_part(rows) and output.resolve() == DEFAULT_OUTPUT.resolve():
         raise SystemExit(
             "--rows measures a part of the bench: pass --output FILE.md (BENCHMARKS.md holds the full table)"
         )
     return [r for r in ROWS if r in rows]
 
 
-def plot_path(given: Path | None, rows, output: Path) -> Path:
-    """--plot, else the README's figure for the full bench and FILE.png beside a part's FILE.md."""
-    return given or (output.with_suffix(".png") if is_part(rows) else DEFAULT_PLOT)
+def plot_path(given: Path | None, output: Path) -> Path:
+    """--plot, else the README's figure for BENCHMARKS.md and FILE.png beside any other FILE.md: a run
+    kept aside for comparison leaves the README's figure alone."""
+    return given or (
+        DEFAULT_PLOT if output.resolve() == DEFAULT_OUTPUT.resolve() else output.with_suffix(".png")
+    )
 
 
 def main() -> None:
@@ -361,7 +365,7 @@ def main() -> None:
     )
     parser.add_argument("--prefill-tokens", default="128,1024")
     parser.add_argument("--run-repeats", type=int, default=3, help="whole `make run`s, one after another")
-    parser.add_argument("--output", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument(
         "--render",
         action="store_true",
@@ -370,7 +374,7 @@ def main() -> None:
     parser.add_argument(
         "--plot",
         type=Path,
-        help=f"default: {DEFAULT_PLOT.relative_to(REPO_ROOT)}, for a part of the bench FILE.png",
+        help=f"default: {DEFAULT_PLOT.relative_to(REPO_ROOT)} for BENCHMARKS.md, FILE.png for --output FILE.md",
     )
     parser.add_argument(
         "--rows",
@@ -380,7 +384,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         results = json.loads(args.output.with_suffix(".json").read_text())
-        plot(results, plot_path(args.plot, results.get("rows", ROWS), args.output))
+        plot(results, plot_path(args.plot, args.output))
         gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
         args.output.write_text(markdown(results["model"], results, gpu))
         return
@@ -474,7 +478,7 @@ def main() -> None:
         if whole_run is not None:
             results["run"] = whole_run
     results["machine_load"] = {"other_cores": busy.other_cores, "start": load_start, "end": machine_load()}
-    drawn = plot_path(args.plot, rows, args.output)
+    drawn = plot_path(args.plot, args.output)
     if plot(results, drawn):
         results["plot"] = (
             str(drawn.relative_to(args.output.parent))
