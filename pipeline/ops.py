@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline import kernels
-from pipeline.kernels import cpu_gemv
+from pipeline.kernels import cpu_gemv, linear_choice
 from pipeline.library import fake, op
 
 
@@ -172,16 +172,24 @@ def _silu_and_mul_fake(x):
 
 @op("onednn_linear")
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ weight^T + bias through oneDNN's inner product on CPU (float32, bfloat16).
+    """x @ weight^T + bias through oneDNN's inner product on CPU (float32, bfloat16), or through
+    F.linear for a decode-size call where F.linear was timed faster on this host (linear_choice.py).
 
     x: [..., K]; weight: [N, K] as nn.Linear stores it; bias: [N] or None; returns [..., N].
     Same result as F.linear up to accumulation order; the point is speed: this build's F.linear
-    goes to MKL, which reads a [N, K] weight at a third of the memory bandwidth at decode sizes
-    (see onednn_linear.py).
+    goes to MKL, which on some hosts reads a [N, K] weight at a third of the memory bandwidth at
+    decode sizes and runs prefill GEMMs at half oneDNN's rate (see onednn_linear.py).
     """
     if x.numel() == 0:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    candidates = (
+        lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""),
+        lambda: F.linear(x, weight, bias),
+    )
+    n = linear_choice.rows(x)
+    if n > linear_choice.DECODE_ROWS:
+        return candidates[0]()
+    return candidates[linear_choice.fastest(("onednn_linear", x.dtype, n, *weight.shape), candidates)]()
 
 
 @fake("onednn_linear")
@@ -192,16 +200,22 @@ def _onednn_linear_fake(x, weight, bias):
 @op("bf16_linear")
 def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x @ weight^T + bias for bfloat16 on CPU through the GEMV kernel (kernels/cpu_gemv.py) where it
-    takes x (a single row where oneDNN's bf16 matmul runs; up to 8 rows where PyTorch falls back
-    to ATen's loops), other tensors through F.linear.
+    takes x (decode-size calls) and was timed faster than F.linear on this host for the shape
+    (linear_choice.py), other tensors through F.linear.
 
     x: [..., K]; weight: [N, K]; bias: [N] or None; returns [..., N]. Same result as F.linear up to
     the float32 summation order.
     """
     if not cpu_gemv.applies(x, weight):
         return F.linear(x, weight, bias)
-    out = cpu_gemv.gemv(x, weight)
-    return out if bias is None else out + bias
+
+    def kernel() -> Tensor:
+        out = cpu_gemv.gemv(x, weight)
+        return out if bias is None else out + bias
+
+    candidates = (kernel, lambda: F.linear(x, weight, bias))
+    key = ("bf16_linear", x.dtype, linear_choice.rows(x), *weight.shape)
+    return candidates[linear_choice.fastest(key, candidates)]()
 
 
 @fake("bf16_linear")

@@ -1,7 +1,7 @@
 """The bfloat16 GEMV kernel (kernels/cpu_gemv.cpp, built for this CPU's instruction set) equals a
 float32-accumulated product rounded to bfloat16 once (F.linear's numerics) in both weight layouts,
-at row counts, K and N with and without tails of the kernel's blocks; pipeline::bf16_linear takes
-it for the rows kernels/cpu_gemv.py measured it faster at. Builds the kernel (about 40 s the first
+at row counts, K and N with and without tails of the kernel's blocks; it takes decode-size calls
+only. Builds the kernel (about 40 s the first
 time, then cached); skipped on a CPU without AVX2 and FMA or without a compiler."""
 
 from __future__ import annotations
@@ -46,18 +46,12 @@ def test_gemv_kn_is_matmul(rows, k, n):
     _close(cpu_gemv.gemv_kn(x, weight), (x.float() @ weight.float()).bfloat16())
 
 
-def test_bf16_linear_takes_the_kernel_where_it_was_measured_faster():
-    """[1, 1, K] goes to the kernel everywhere, [2, 1, K] only where PyTorch has no oneDNN bf16
-    matmul, a prefill of more than max_rows() rows nowhere; float32 and a non-contiguous weight
-    stay F.linear; a bias adds."""
-    g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(40, 64, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
-    for shape in ((1, 1, 64), (2, 1, 64), (1, cpu_gemv.MAX_ROWS_AVX2 + 1, 64)):
-        x = torch.randn(*shape, generator=g).bfloat16()
-        rows = shape[0] * shape[1]
-        assert cpu_gemv.applies(x, weight) == (rows == 1 or (rows <= 8 and not cpu_gemv.onednn_bf16()))
-        out = torch.ops.pipeline.bf16_linear(x, weight, bias)
-        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2**-7, atol=0.1)
+def test_the_kernel_takes_decode_size_bfloat16_calls():
+    """Up to DECODE_ROWS rows of x, bfloat16, a contiguous weight: the kernel can take it (whether
+    it does is timed: test_linear_choice.py); a prefill, float32 and a non-contiguous weight not."""
+    weight = torch.randn(40, 64).bfloat16()
+    for shape, takes in (((1, 1, 64), True), ((2, 4, 64), True), ((1, 9, 64), False)):
+        assert cpu_gemv.applies(torch.randn(*shape).bfloat16(), weight) == takes
     assert not cpu_gemv.applies(torch.randn(1, 64), weight.float())
     assert not cpu_gemv.applies(torch.randn(1, 40).bfloat16(), weight.T)  # not contiguous
 

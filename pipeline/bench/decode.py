@@ -488,7 +488,8 @@ def markdown(result: dict) -> list[str]:
         "",
         f"Hugging Face eager `generate` and demollm (uncompiled graph, attention=torch; also with F.linear "
         f"in place of the linear kernel the transforms chose: oneDNN's inner product in float32, the "
-        f"bfloat16 GEMV kernel where it applies) on the same weights take turns, {_rounds_text(result)}. "
+        f"bfloat16 GEMV kernel in bfloat16, each at decode sizes only where it was timed faster than "
+        f"F.linear for the shape) on the same weights take turns, {_rounds_text(result)}. "
         f"Two limits are measured before and after each "
         f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
         f"for the round: the read bandwidth of a 1 GiB float32 reduction "

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-import pipeline.ops  # noqa: F401  (registers pipeline::bf16_linear)
+import pipeline.ops  # noqa: F401  (registers pipeline::onednn_linear and bf16_linear)
 from pipeline.devices import sync
 from pipeline.runtime.machine_load import read_gbs
 
@@ -55,11 +55,12 @@ def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The kernel demollm's linears run for the weight's dtype: oneDNN's inner product for float32
-    on CPU (the onednn_linear transform), the bfloat16 GEMV kernel for bfloat16 on CPU (bf16_gemv;
-    F.linear where it cannot run), F.linear otherwise. x: [B, K]; weight: [N, K]."""
+    """The kernel demollm's linears run for the weight's dtype: pipeline::onednn_linear for float32
+    on CPU (the onednn_linear transform: oneDNN's inner product, or F.linear where it was timed
+    faster for the shape), pipeline::bf16_linear for bfloat16 on CPU (bf16_gemv: the GEMV kernel
+    or F.linear, as timed), F.linear otherwise. x: [B, K]; weight: [N, K]."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return torch.ops.pipeline.onednn_linear(x, weight, None)
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         return torch.ops.pipeline.bf16_linear(x, weight, None)
     return torch.nn.functional.linear(x, weight)

@@ -7,9 +7,11 @@
 // once for up to kMaxRows rows of x.
 //
 // Two instruction sets, chosen when kernels/cpu_gemv.py builds this file for the CPU it runs on:
-// - AVX-512 BF16 (__AVX512BF16__), one row, [N, K]: vdpbf16ps, 32 bf16 products summed pairwise
-//   into 16 float32 lanes. Measured on such a host (2026-12-01, [57344, 5120] and [131072, 5120]):
-//   33-36 GB/s where oneDNN's bf16 matmul (F.linear) read 29-31.
+// - AVX-512 BF16 (__AVX512BF16__), [N, K], rows of x 4 at a time: vdpbf16ps, 32 bf16 products
+//   summed pairwise into 16 float32 lanes. Measured on such a host (2026-12-01, [57344, 5120] and
+//   [131072, 5120]): 33-36 GB/s at one row where oneDNN's bf16 matmul (F.linear) read 29-31; on
+//   another (a Xeon with AMX, 2026-12-03, [32768, 5120], [5120, 16384], [131072, 5120]): 28-31
+//   GB/s at one row, 26-30 at two, 23-28 at four, where F.linear read 15-23 at every count.
 // - AVX2 + FMA, everything else: a bf16 is the high half of a float32 (split16 below), then FMA.
 //   On an AVX2-only host PyTorch's bf16 matmul falls back to ATen's own loops (no oneDNN bf16):
 //   11 GB/s at one row and 3 GB/s at four where a float32 reduction reads 22 (2026-12-02);
@@ -110,42 +112,58 @@ void nk_avx2(const float* xf, const bf16* w, float* y, int64_t K, int64_t N) {
 }
 
 #if defined(__AVX512BF16__)
-template <int R>
-inline void dpbf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t K, int64_t n0, int64_t full,
-                        __mmask32 tail) {
-  __m512 acc[R];
+// R weight rows against B rows of x: R * B accumulators, each row of x loaded once per 32 weights
+// for all R weight rows, each weight row once for all B rows of x.
+template <int R, int B>
+inline void dpbf16_rows(const bf16* x, const bf16* w, bf16* y, int64_t K, int64_t N, int64_t n0,
+                        int64_t full, __mmask32 tail) {
+  __m512 acc[R][B];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const bf16* first = w + n0 * K;
   for (int64_t k = 0; k < full; k += 32) {
-    const __m512i xv = _mm512_loadu_si512((const void*)(x + k));
+    __m512i xv[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) xv[b] = _mm512_loadu_si512((const void*)(x + b * K + k));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i wv = _mm512_loadu_si512((const void*)(first + r * K + k));
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)xv);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv, (__m512bh)xv[b]);
     }
   }
   if (tail) {
-    const __m512i xv = _mm512_maskz_loadu_epi16(tail, (const void*)(x + full));
+    __m512i xv[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) xv[b] = _mm512_maskz_loadu_epi16(tail, (const void*)(x + b * K + full));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i wv = _mm512_maskz_loadu_epi16(tail, (const void*)(first + r * K + full));
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)xv);
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv, (__m512bh)xv[b]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) y[n0 + r] = bf16(_mm512_reduce_add_ps(acc[r]));
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) y[b * N + n0 + r] = bf16(_mm512_reduce_add_ps(acc[r][b]));
 }
 
-// one row of x, bf16 products in hardware; y [N] written as bf16 directly
+// B rows of x (1-4), bf16 products in hardware; y [B, N] written as bf16 directly
+template <int B>
 void nk_dpbf16(const bf16* x, const bf16* w, bf16* y, int64_t K, int64_t N) {
-  constexpr int R = 8;  // 8 loads in flight per 64-byte step
+  // 8 weight loads in flight per 64-byte step at one or two rows; at three or four, 6 weight rows
+  // keep R * B accumulators + B rows of x + a weight within the 32 zmm registers (4 read 4-10 %
+  // slower at four rows, 2026-12-03)
+  constexpr int R = B <= 2 ? 8 : 6;
   const int64_t full = K / 32 * 32;
   const __mmask32 tail = K == full ? 0 : ((__mmask32)1 << (K - full)) - 1;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     int64_t n0 = begin;
-    for (; n0 + R <= end; n0 += R) dpbf16_rows<R>(x, w, y, K, n0, full, tail);
-    for (; n0 < end; ++n0) dpbf16_rows<1>(x, w, y, K, n0, full, tail);
+    for (; n0 + R <= end; n0 += R) dpbf16_rows<R, B>(x, w, y, K, N, n0, full, tail);
+    for (; n0 < end; ++n0) dpbf16_rows<1, B>(x, w, y, K, N, n0, full, tail);
   });
 }
 #endif
@@ -252,13 +270,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t K = x.size(1), N = weight.size(0);
   const bf16* wp = weight.data_ptr<bf16>();
 #if defined(__AVX512BF16__)
-  if (x.size(0) == 1) {
+  {
     const auto xc = x.contiguous();
-    auto out = at::empty({1, N}, x.options());
-    nk_dpbf16(xc.data_ptr<bf16>(), wp, out.data_ptr<bf16>(), K, N);
+    const int64_t rows = xc.size(0);
+    auto out = at::empty({rows, N}, x.options());  // [B, N]
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const bf16* xr = xc.data_ptr<bf16>() + r0 * K;
+      bf16* yr = out.data_ptr<bf16>() + r0 * N;
+      switch (std::min(kMaxRows, rows - r0)) {
+        case 1: nk_dpbf16<1>(xr, wp, yr, K, N); break;
+        case 2: nk_dpbf16<2>(xr, wp, yr, K, N); break;
+        case 3: nk_dpbf16<3>(xr, wp, yr, K, N); break;
+        default: nk_dpbf16<4>(xr, wp, yr, K, N);
+      }
+    }
     return out;
   }
-#endif
+#else
   return in_groups(x, N, true, [&](const float* xf, float* y, int64_t group) {
     switch (group) {
       case 1: return nk_avx2<1>(xf, wp, y, K, N);
@@ -267,6 +295,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
       default: return nk_avx2<4>(xf, wp, y, K, N);
     }
   });
+#endif
 }
 
 // weight [K, N] (x @ W, Llama-4's experts): x [B, K] -> [B, N]

@@ -5,19 +5,23 @@ Why: a decode step's linears read each weight once for a few rows of x, so they 
 weight streams from memory, and PyTorch's bfloat16 matmul is far from it on this machine's CPUs:
 - on a host with AVX512-BF16 (2026-12-01), oneDNN's bf16 matmul read decode-size weights at
   26-33 GB/s where a float32 reduction read 40-80; the kernel's vdpbf16ps path streamed one row at
-  33-36 GB/s, and 2-4 rows read 21-28 GB/s against oneDNN's 29-32, so on such a host only single
-  rows take the kernel;
+  33-36 GB/s, and 2-4 rows (then through the AVX2 path) read 21-28 GB/s against oneDNN's 29-32;
+  on an AMX Xeon (2026-12-03; a reduction read 30) the vdpbf16ps path, now taking 1-4 rows, read
+  28-31 GB/s at one row and 23-28 at four where oneDNN read 15-23, and lost at eight (two passes
+  of four: 11-13);
 - on an AVX2-only host (the same VM on 2026-12-02, a Zen 1 EPYC: no AVX-512, no oneDNN bf16),
   F.linear falls back to ATen's loops: 11 GB/s at one row and 2.9 GB/s at four ([16384, 5120],
   [5120, 8192], [32768, 5120]) where a float32 reduction reads 21-22 and oneDNN's float32 GEMV
   24-26. The kernel's AVX2 path reads 20.9-21.4 GB/s at one row (the reduction's rate), 15-17 at
   two, 9.7-9.9 at four (near the FMA units' limit: oneDNN's float32 GEMV reads 8.5 at four rows),
-  and stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584). Yet on
-  such a host only decode-size calls (up to MAX_ROWS_AVX2 rows) take it: with prefills through it
+  and stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584). Yet only
+  decode-size calls (up to linear_choice.DECODE_ROWS rows) take it: with prefills through it
   as well, mistral3's bfloat16 image call moved by 0.31 in the logits from the eager model's
   (the correctness check's tolerance 0.16; the kernel and F.linear are equally close to a float64
   product, one rounding each, so it is the summation order compounding through the model), and a
   run that fails its check measures nothing.
+So which of the kernel and F.linear runs a decode-size call is timed per shape on the host itself
+(pipeline::bf16_linear through linear_choice.py), not written down from one of these hosts.
 Llama-4 stores its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its
 own rows of W into float32 partial sums): 20.7-21.7 GB/s at one row, 10.2-10.5 at four, where
 ATen's bf16 matmul took 1.9 s for one [5120, 16384] expert (0.09 GB/s) on the AVX2 host.
@@ -36,8 +40,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.kernels import linear_choice
+
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-MAX_ROWS_AVX2 = 8  # the decode batches
 
 
 @functools.cache
@@ -114,20 +119,13 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def max_rows() -> int:
-    """How many rows of x the kernel takes (module docstring): one where oneDNN's bf16 matmul runs,
-    decode-size calls where PyTorch falls back to ATen's loops."""
-    return 1 if onednn_bf16() else MAX_ROWS_AVX2
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes x times weight (either layout): bfloat16 on CPU, at most max_rows()
-    rows of x, a contiguous 2-D weight, the kernel buildable here."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    """Whether the kernel takes x times weight (either layout): bfloat16 on CPU, at most
+    linear_choice.DECODE_ROWS rows of x, a contiguous 2-D weight, the kernel buildable here."""
     return (
         x.dtype == weight.dtype == torch.bfloat16
         and x.device.type == weight.device.type == "cpu"
-        and 0 < rows <= max_rows()
+        and 0 < linear_choice.rows(x) <= linear_choice.DECODE_ROWS
         and weight.dim() == 2
         and weight.is_contiguous()
         and not unsupported()

@@ -1,0 +1,61 @@
+"""linear_choice: a decode-size linear on CPU runs whichever of its kernels was timed faster for the
+shape on this host, timed once per shape; prefill-size calls keep the transform's kernel."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline.ops  # noqa: F401  (registers pipeline::onednn_linear and bf16_linear)
+from pipeline.kernels import cpu_gemv, linear_choice
+
+
+@pytest.fixture(autouse=True)
+def no_choices_yet(monkeypatch):
+    monkeypatch.setattr(linear_choice, "_chosen", {})
+
+
+def test_the_faster_candidate_is_chosen_once_per_shape():
+    calls = {"slow": 0, "fast": 0}
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.01)
+
+    def fast():
+        calls["fast"] += 1
+
+    assert linear_choice.fastest(("k", 1), (slow, fast)) == 1
+    assert calls == {"slow": 1 + linear_choice.REPEATS, "fast": 1 + linear_choice.REPEATS}
+    assert linear_choice.fastest(("k", 1), (slow, fast)) == 1  # kept: nothing timed again
+    assert calls["slow"] == 1 + linear_choice.REPEATS
+    assert linear_choice.fastest(("k", 2), (fast, slow)) == 0  # another shape is timed anew
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_onednn_linear_times_decode_sizes_only():
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    for tokens in (1, 4, linear_choice.DECODE_ROWS + 1):
+        x = torch.randn(1, tokens, 32)
+        out = torch.ops.pipeline.onednn_linear(x, weight, bias)
+        torch.testing.assert_close(out, F.linear(x, weight, bias))
+    assert set(linear_choice._chosen) == {
+        ("onednn_linear", torch.float32, 1, 48, 32),
+        ("onednn_linear", torch.float32, 4, 48, 32),
+    }
+
+
+@pytest.mark.skipif(bool(cpu_gemv.unsupported()), reason=cpu_gemv.unsupported() or "-")
+def test_bf16_linear_times_the_kernel_against_f_linear_where_the_kernel_takes_x():
+    weight, bias = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    for tokens in (1, 3, linear_choice.DECODE_ROWS + 1):
+        x = torch.randn(1, tokens, 64).bfloat16()
+        out = torch.ops.pipeline.bf16_linear(x, weight, bias)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2**-7, atol=0.1)
+    assert set(linear_choice._chosen) == {
+        ("bf16_linear", torch.bfloat16, 1, 40, 64),
+        ("bf16_linear", torch.bfloat16, 3, 40, 64),
+    }
