@@ -24,23 +24,15 @@ from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, t
 from pipeline.bench.load import bench_load
 from pipeline.bench.prepare import prepared
 from pipeline.export import graph_capture
-from pipeline.kernels import cpu_gemv
+from pipeline.kernels import cpu_gemv, host
 from pipeline.runtime.machine_load import MachineLoad
 
 
 def machine() -> dict[str, str]:
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": host.cpuinfo_field("model name") or platform.processor() or "unknown",
         "isa": cpu_isa(),
         "cores": str(torch.get_num_threads()),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",

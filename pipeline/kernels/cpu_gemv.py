@@ -40,21 +40,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.kernels import linear_choice
+from pipeline.kernels import host, linear_choice
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
-    try:
-        line = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.split(":", 1)[1].split())
+    return frozenset(host.cpuinfo_field("flags").split())
 
 
 def isa() -> str:
