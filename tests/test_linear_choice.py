@@ -87,3 +87,21 @@ def test_bf16_linear_times_the_kernel_against_f_linear_where_the_kernel_takes_x(
         "bf16_linear|torch.bfloat16|1|40|64",
         "bf16_linear|torch.bfloat16|3|40|64",
     }
+
+
+@pytest.mark.skipif(
+    bool(cpu_gemv.unsupported()) or not cpu_gemv.onednn_bf16(),
+    reason=cpu_gemv.unsupported() or "no oneDNN bf16 matmul: the [K, N] GEMV runs untimed",
+)
+def test_llama4s_k_n_experts_time_the_gemv_against_the_matmul():
+    """A routed Llama-4 expert ([K, N] weights) at decode size is timed, a prefill's group not;
+    either way the result is x @ W (test_ops compares the whole op with Hugging Face's block)."""
+    gate_up, down = torch.randn(2, 64, 96).bfloat16(), torch.randn(2, 48, 64).bfloat16()
+    for tokens in (1, linear_choice.DECODE_ROWS + 1):
+        x = torch.randn(tokens, 64).bfloat16()
+        selected = torch.zeros(tokens, 1, dtype=torch.long)  # every token to expert 0
+        weights = torch.ones(tokens, 1)
+        out = torch.ops.pipeline.moe(x, selected, weights, gate_up, down, True, True)
+        expected = pipeline.ops.moe_reference(x, selected, weights, gate_up, down, True, True)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert set(linear_choice._chosen) == {"moe_kn|torch.bfloat16|1|64|96", "moe_kn|torch.bfloat16|1|48|64"}

@@ -125,13 +125,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def applies_kn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv_kn takes x @ weight for a [K, N] weight: as applies(), and only where PyTorch
-    has no oneDNN bf16 matmul (on the AVX512-BF16 host an earlier [K, N] kernel read 8-11 GB/s
-    against oneDNN's 12-18, so the matmul keeps those)."""
-    return not onednn_bf16() and applies(x, weight)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] times weight [N, K]^T -> [..., N] (F.linear), bfloat16 on CPU."""
     out = _extension().gemv(x.reshape(-1, x.shape[-1]), weight)  # [B, N]

@@ -1,5 +1,5 @@
 """The faster kernel for a decode-size linear on CPU: each candidate timed on the call's own tensors
-the first time a shape comes, the winner kept for the rest of the process.
+the first time a shape comes on this host, the winner kept for every later call and process here.
 
 Why: which kernel reads a weight fastest at one to a few rows depends on the host, by more than a
 rule written on one host holds on the next:
@@ -9,7 +9,9 @@ rule written on one host holds on the next:
   against oneDNN's 22-48, and oneDNN won at four rows of the large ones (20.7 against 14.9 GB/s):
   demollm with oneDNN on every linear stepped 1.15x Hugging Face's time at batch 1, 0.71x at 4.
 - bfloat16: the GEMV kernel (cpu_gemv.py) against oneDNN's bf16 matmul (F.linear) wins or loses
-  by rows and shape, and F.linear is ATen's own loops where PyTorch has no oneDNN bf16.
+  by rows and shape, and F.linear is ATen's own loops where PyTorch has no oneDNN bf16; Llama-4's
+  [K, N] experts: the kernel's [K, N] GEMV lost to oneDNN's matmul on the first AVX-512 host and
+  read 20-36 GB/s against its 9-11 on the AMX Xeon (ops._expert_gemv).
 Only calls of at most DECODE_ROWS rows are timed: they read the weight once and are bound by how
 fast it streams, the quantity that differs between kernels and hosts. A prefill's GEMM keeps the
 transform's kernel (every new prompt length would cost a timing of its own, each a second or more
