@@ -13,14 +13,15 @@ from pipeline.runtime.machine_load import read_gbs
 
 
 class ReadLimit:
-    """A large float32 reduction: bytes read / median time over `repeats` reads (about 0.7 s, as
+    """A large float32 buffer read plainly (the faster of a reduction and a one-row GEMV over it,
+    machine_load.read_gbs): bytes read / median time over `repeats` reads of each (about 1 s, as
     long as a decode sample: the best of three short reads picked this machine's fast phases, which
     the samples beside it did not see). The buffer is allocated once, before any
     model is loaded (a buffer allocated into freshly freed memory read 4x lower here), and re-read
     whenever a round asks: the limit drifts 45-80 GB/s within half an hour on this machine, so it
     is measured beside the samples it divides."""
 
-    def __init__(self, gib: float = 1.0, device: torch.device | None = None, repeats: int = 30):
+    def __init__(self, gib: float = 1.0, device: torch.device | None = None, repeats: int = 15):
         self.device = device or torch.device("cpu")
         self.buffer = torch.ones(int(gib * 2**30) // 4, device=self.device)
         self.buffer.sum()  # pages touched
