@@ -1,4 +1,5 @@
-"""The noise verdict: other processes' load during a timed block, and the spread of its steps."""
+"""The noise verdict: other processes' load during a timed block, and the spread of its steps; the
+read limit's two reads."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import subprocess
 import sys
 import time
 
-from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile
+import pytest
+import torch
+
+from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile, read_gbs
 
 
 def test_a_busy_process_beside_the_block_counts_as_other_load():
@@ -29,3 +33,22 @@ def test_noise_verdict():
     noisy, why = noise_verdict(0.0, [10.0] * 10 + [30.0] * 3)
     assert noisy and "p90/p10" in why
     assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0 and quantile([1.0, 2.0], 0.9) == 1.9
+
+
+@pytest.mark.parametrize("slowed", ["sum", "gemv"])
+def test_the_read_limit_is_the_faster_of_the_reduction_and_the_gemv(monkeypatch, slowed):
+    """Either read made 50 ms slower a call, the limit is the other's rate: a buffer's limit is the
+    best plain read of it, not whichever kernel drew a bad placement. The buffer's length is not a
+    multiple of the GEMV's row, whose view leaves the tail out (and its bytes uncounted)."""
+    buffer = torch.ones(1_000_000 + 5)  # 4 MB: 244 rows of 4096 and a tail
+    buffer.sum()
+    if slowed == "sum":
+        sum_ = torch.Tensor.sum
+        monkeypatch.setattr(
+            torch.Tensor, "sum", lambda self, *a, **k: (time.sleep(0.05), sum_(self, *a, **k))[1]
+        )
+    else:
+        linear = torch.nn.functional.linear
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: (time.sleep(0.05), linear(*a))[1])
+    slow_gbs = buffer.numel() * 4 / 0.05 / 1e9  # 0.08 GB/s: what the slowed read can at most reach
+    assert read_gbs(buffer) > 3 * slow_gbs
