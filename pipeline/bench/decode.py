@@ -2,8 +2,8 @@
 captured, transformed, cached model, same weights and batch, against the machine's read bandwidth.
 
 Decode of a small batch is memory-bound: every step reads the language model's weights and lm_head
-once. Achieved bandwidth = those bytes / step time, as a percent of a large-tensor reduction's
-bandwidth measured in the same run.
+once. Achieved bandwidth = those bytes / step time, as a percent of the read bandwidth of a large
+buffer (the faster of a reduction and a one-row GEMV over it) measured in the same run.
 """
 
 from __future__ import annotations
@@ -492,7 +492,8 @@ def markdown(result: dict) -> list[str]:
         f"F.linear for the shape) on the same weights take turns, {_rounds_text(result)}. "
         f"Two limits are measured before and after each "
         f"round's samples, each as long as a sample (a median over repeats), the mean of the two standing "
-        f"for the round: the read bandwidth of a 1 GiB float32 reduction "
+        f"for the round: the read bandwidth of a 1 GiB float32 buffer (the faster of a reduction and a "
+        f"one-row GEMV over it) "
         f"({_cell(result['read_limit_gbs'], 1, ' GB/s')} over the rounds) and the GEMV pass: every "
         f"weight of the step multiplied by a [batch, K] input with demollm's kernel, back to back (per "
         f"batch below). A step reads {result['weight_bytes'] / 1e9:.2f} GB of weights (decoder layers, "
