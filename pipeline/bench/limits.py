@@ -14,7 +14,7 @@ from pipeline.runtime.machine_load import read_gbs
 
 class ReadLimit:
     """A large float32 buffer read plainly (the faster of a reduction and a one-row GEMV over it,
-    machine_load.read_gbs): bytes read / median time over `repeats` reads of each (about 1 s, as
+    machine_load.read_gbs): bytes read / median time over `repeats` reads of each (about 1.4 s, as
     long as a decode sample: the best of three short reads picked this machine's fast phases, which
     the samples beside it did not see). The buffer is allocated once, before any
     model is loaded (a buffer allocated into freshly freed memory read 4x lower here), and re-read

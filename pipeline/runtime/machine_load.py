@@ -107,7 +107,7 @@ def read_gbs(buffer: torch.Tensor, repeats: int = 3, pick: Callable[[list[float]
     repeats are interference).
 
     Why both: on the AMX Xeon host (2026-12-03) the reduction read the first 3 GiB a process
-    allocates at 22 GB/s and later buffers at 29-30, while the GEMV read every buffer at 29-31, so a
+    allocates at 22 GB/s and later buffers at 26-30, while the GEMV read every buffer at 29-31, so a
     reduction-only limit drew a speed from where its buffer landed (decode rows at 113 % of it in
     one run, 129 % in the next). The limit is the rate the machine's libraries reach; which read
     reaches it differs by host."""
