@@ -61,7 +61,9 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     assert results["rows"] == ["load", "export", "decode", "prefill"]
     assert not {"backends", "engine_work", "run"} & set(results)
     load = results["load"]
-    assert load["params"] > 0 and all(is_spread(load[k], 2) for k in ("ours_s", "hf_init_s", "speedup"))
+    assert load["params"] > 0 and all(
+        is_spread(load[k], 2) for k in ("ours_s", "hf_init_s", "touch_s", "speedup", "speedup_beyond_touch")
+    )
     assert results["machine_load"]["other_cores"] >= 0 and "loadavg_1m" in results["machine_load"]["start"]
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
@@ -81,9 +83,10 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     assert all(
         is_spread(r[key], 2)
         for r in results["prefill"]["rows"]
-        for key in ("tflops", "gemm_tflops", "pct_of_gemm")
+        for key in ("tflops", "gemm_tflops", "pct_of_gemm", "pass_ms", "pct_of_pass")
     )
-    assert "## Prefill" in text
+    assert "## Prefill" in text and "| % of pass |" in text
+    assert "| load beyond the touch of its memory" in text
     # a part's figure lies beside its markdown, not over the README's
     assert results["plot"] == "BENCH.png" and (tmp_path / "BENCH.png").stat().st_size > 10_000
     # the run-to-run comparison reads the results: against itself every ratio holds

@@ -145,6 +145,13 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
             f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
             f"< {load['target_s']:.0f} s | {ratio} |"
         )
+        if "touch_s" in load:  # since 2026-12-03: the memory's first touch measured in each round
+            beyond = load.get("speedup_beyond_touch")
+            lines.append(
+                f"| load beyond the touch of its memory ({rounds.shown(load['touch_s'], 1, ' s')} a round) | "
+                f"ours - touch | HF init - touch | - | "
+                f"{_spread_or_value(beyond, 1, 'x') + ' faster (per round)' if beyond else '-'} |"
+            )
     if "export" in results:
         export = results["export"]
         lines.append(
@@ -156,6 +163,13 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
             f"Each load sample is the first load of a fresh process, as a run loads once; "
             f"{results['load']['ours_s']['n']} rounds, ours and Hugging Face's init taking turns, the ratio "
             "taken within each round."
+            + (
+                " The touch is a fresh process that allocates and zeroes every parameter, as ours does "
+                "before its fill: the floor every load pays for its memory, which moves on this virtual "
+                "machine by itself (pipeline/bench/load.py)."
+                if "touch_s" in results["load"]
+                else ""
+            )
             # a row taken over from a partial run (`--rows load`) says which
             + (f" Measured {results['load']['measured']}." if "measured" in results["load"] else ""),
         ]

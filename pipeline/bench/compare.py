@@ -27,6 +27,9 @@ def figures(results: dict) -> Iterator[Figure]:
     speedup = results.get("load", {}).get("speedup")
     if isinstance(speedup, dict):  # per round since the load row took turns with Hugging Face's init
         yield "load: HF init / ours", "ratio", speedup["median"], rounds.is_noisy(speedup)
+    beyond = results.get("load", {}).get("speedup_beyond_touch")
+    if beyond is not None:
+        yield "load: HF init / ours, beyond the touch", "ratio", beyond["median"], rounds.is_noisy(beyond)
     for decode in results.get("decode", []):
         for row in decode["rows"]:
             for runner in row["runners"]:
@@ -54,6 +57,8 @@ def figures(results: dict) -> Iterator[Figure]:
     for row in results.get("prefill", {}).get("rows", []):
         name = f"prefill {row['tokens']}"
         yield f"{name} % of GEMM", "ratio", row["pct_of_gemm"]["median"], row["noisy"]
+        if "pct_of_pass" in row:
+            yield f"{name} % of linears' pass", "ratio", row["pct_of_pass"]["median"], row["noisy"]
         yield f"{name} ms", "time", row["prefill_ms"]["median"], False
 
 

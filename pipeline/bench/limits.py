@@ -68,11 +68,14 @@ def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class WeightPass:
-    """Every weight a decode step reads, multiplied by a [batch, K] input with demollm's kernel, back
-    to back: weight bytes / median time over `repeats` passes (as many as a decode sample has
-    steps, so that the pass sees the machine's fast and slow phases as a sample does). The limit a
-    decode step of these weights meets when nothing but its GEMVs runs; a step follows the GEMVs it
-    is made of more closely than a reduction (pipeline/bench/notes.md, "Noise")."""
+    """Every weight a step reads, multiplied by a [batch, K] input with demollm's kernel, back to
+    back: the limit a step of these weights meets when nothing but its linears runs. A step follows
+    the linears it is made of more closely than a reduction or one GEMM does (pipeline/bench/
+    notes.md, "Noise").
+
+    Decode (batch = the batch): weight bytes / median time over `repeats` passes (as many as a
+    decode sample has steps, so that the pass sees the machine's fast and slow phases as a sample
+    does). Prefill (batch = the prompt's tokens): the pass's seconds beside the prefill's."""
 
     def __init__(self, weights: list[torch.Tensor], batch: int, repeats: int = 8):
         self.weights = [
@@ -85,7 +88,8 @@ class WeightPass:
         }
         self.repeats = repeats
 
-    def measure(self) -> float:
+    def seconds(self) -> float:
+        """Median time of one pass over every weight."""
         device = self.weights[0].device
         times = []
         with torch.no_grad():
@@ -96,4 +100,8 @@ class WeightPass:
                     _decode_linear(self.inputs[weight.shape[1]], weight)
                 sync(device)
                 times.append(time.perf_counter() - start)
-        return self.bytes / statistics.median(times) / 1e9
+        return statistics.median(times)
+
+    def measure(self) -> float:
+        """GB/s: the weights' bytes over a pass's time."""
+        return self.bytes / self.seconds() / 1e9

@@ -34,13 +34,24 @@ def decode_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
     experts counts every expert (a batch can route to all). On the eager model, or once export
     swapped the language model for its graph: then the graph's (fused weights included, and on a
     tensor-parallel rank its shards)."""
+    decoder, head = _decoder_and_head(model, lm_path)
+    return decoder + head
+
+
+def decoder_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
+    """The decode step's weights without the lm_head: those every prompt token multiplies in a
+    prefill (the lm_head runs on the last token only)."""
+    return _decoder_and_head(model, lm_path)[0]
+
+
+def _decoder_and_head(model: torch.nn.Module, lm_path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     with eager_graphs(model) as eager:  # Hugging Face's accessors walk into the eager modules
         embedding = {id(p) for p in eager.get_input_embeddings().parameters()}
         head = list(eager.get_output_embeddings().parameters())
     lm = model.get_submodule(lm_path) if lm_path else model
-    params = {id(p): p for p in lm.parameters() if id(p) not in embedding}
-    params |= {id(p): p for p in head}
-    return list(params.values())
+    skipped = embedding | {id(p) for p in head}
+    decoder = {id(p): p for p in lm.parameters() if id(p) not in skipped}
+    return list(decoder.values()), head  # a head tied to the embedding is read whole all the same
 
 
 def decode_weight_bytes(model: torch.nn.Module, lm_path: str) -> int:
