@@ -67,6 +67,9 @@ class RuntimeConfig:
     collective_timeout_s: int = 300
     kv_cache_mb: int | None = None  # None: pages for max_batch_size sequences of max_seq_len
     lookahead: int = 1  # decode steps the host launches before reading the tokens of earlier ones
+    # CPU: freed host memory stays in the process, so a step's activations land on touched pages
+    # (runtime/host_memory.py); false leaves glibc's default of giving large blocks back at once
+    retain_host_memory: bool = True
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 

@@ -154,9 +154,12 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 def silu_and_mul(x: Tensor) -> Tensor:
     """The gated MLP's activation on its fused gate/up projection: silu(gate) * up.
 
-    x: [..., 2 * I], gate then up on the last dim; returns [..., I].
+    x: [..., 2 * I], gate then up on the last dim; returns [..., I]. The product is written into
+    silu's fresh output: one [..., I] allocation instead of two (at 1024 tokens of mistral3 each is
+    128 MiB float32).
     """
-    return silu_and_mul_reference(x).contiguous()
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def silu_and_mul_reference(x: Tensor) -> Tensor:

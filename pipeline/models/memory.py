@@ -34,17 +34,13 @@ def decode_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
     experts counts every expert (a batch can route to all). On the eager model, or once export
     swapped the language model for its graph: then the graph's (fused weights included, and on a
     tensor-parallel rank its shards)."""
-    decoder, head = _decoder_and_head(model, lm_path)
+    decoder, head = decoder_and_head(model, lm_path)
     return decoder + head
 
 
-def decoder_weights(model: torch.nn.Module, lm_path: str) -> list[torch.Tensor]:
-    """The decode step's weights without the lm_head: those every prompt token multiplies in a
-    prefill (the lm_head runs on the last token only)."""
-    return _decoder_and_head(model, lm_path)[0]
-
-
-def _decoder_and_head(model: torch.nn.Module, lm_path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def decoder_and_head(model: torch.nn.Module, lm_path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """decode_weights split in two: the decoder's, which every prompt token multiplies in a prefill,
+    and the lm_head's, which a prefill runs on the last token only."""
     with eager_graphs(model) as eager:  # Hugging Face's accessors walk into the eager modules
         embedding = {id(p) for p in eager.get_input_embeddings().parameters()}
         head = list(eager.get_output_embeddings().parameters())

@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.config import RuntimeConfig
 from pipeline.devices import sync
 from pipeline.graphs import cached_graphs, find_graphs
+from pipeline.runtime.host_memory import retain_freed_memory
 from pipeline.runtime.requests import Request
 from pipeline.runtime.runners import EagerRunner, PagedRunner, engine_span
 from pipeline.runtime.sampling import SamplingParams, sample
@@ -109,6 +110,8 @@ class DemoLLM:
                 "a full graph of a VLM takes image inputs in every call, so it cannot decode; use capture=partial"
             )
         self.device, self.eos_ids = device, eos_ids
+        if device.type == "cpu" and runtime.retain_host_memory:
+            retain_freed_memory()
         self.lookahead = runtime.lookahead
         self.max_batch_size, self.max_num_tokens = runtime.max_batch_size, runtime.max_num_tokens
         text_config = getattr(hf_config, "text_config", None) or hf_config

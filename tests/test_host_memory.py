@@ -1,0 +1,58 @@
+"""Freed host memory stays in the process (runtime/host_memory.py): a step's large activation,
+allocated again after it was freed, lands on pages already touched, where glibc's default maps and
+faults in fresh ones every time. Counted in page faults, not timed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import build_tiny, compose_cfg
+
+from pipeline.runtime.host_memory import retain_freed_memory
+
+# one activation of 64 MiB, above glibc's largest mmap threshold (32 MiB): 16384 pages of 4 KiB
+FAULTS_OF_AN_ACTIVATION = textwrap.dedent(
+    """
+    import resource, torch
+    def faults() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(64 * 2**20 // 4)  # allocated, written, freed
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    faults()  # the first one faults in the pages, kept or not
+    """
+)
+PAGES = 64 * 2**20 // 4096
+
+
+def test_an_activation_freed_and_allocated_again_faults_in_no_fresh_pages():
+    assert "kept" in retain_freed_memory()
+    namespace: dict = {}
+    exec(FAULTS_OF_AN_ACTIVATION, namespace)
+    # the fewest of three: a test process's other threads may fault pages of their own meanwhile
+    faults = min(namespace["faults"]() for _ in range(3))
+    assert faults < PAGES // 10, f"{faults} page faults for an activation of {PAGES} pages"
+
+
+def test_without_it_every_activation_faults_in_fresh_pages():
+    """The same count in a fresh process with glibc's default: the test above can fail."""
+    code = FAULTS_OF_AN_ACTIVATION + "print(faults())"
+    faults = int(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    assert faults > PAGES // 2
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_demollm_on_cpu_keeps_freed_memory_unless_told_not_to(monkeypatch, retain):
+    import pipeline.runtime.engine as engine
+
+    calls = []
+    monkeypatch.setattr(engine, "retain_freed_memory", lambda: calls.append(1))
+    model, hf_config, _ = build_tiny("tiny_llama3_1_8b")
+    cfg = compose_cfg(["model=tiny_llama3_1_8b", f"runtime.retain_host_memory={str(retain).lower()}"])
+    engine.DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), set())
+    assert calls == ([1] if retain else [])
