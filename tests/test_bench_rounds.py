@@ -142,3 +142,13 @@ def test_rounds_of_several_processes_are_pooled_ratios_still_per_round():
     measured[1].weight_bytes += 1
     with pytest.raises(RuntimeError, match="different bytes"):
         decode.summarize("made_up", [1], 8, 4, decode.torch.float32, measured)
+
+
+def test_benchmarks_md_links_the_figure_beside_it():
+    """`--render` links the figure from where the markdown lies, whichever run's .json it renders."""
+    import re
+
+    from conftest import REPO_ROOT
+
+    links = re.findall(r"!\[benchmarks\]\(([^)]+)\)", (REPO_ROOT / "BENCHMARKS.md").read_text())
+    assert links and all((REPO_ROOT / link).is_file() for link in links), links

@@ -304,6 +304,12 @@ def parse_rows(text: str, output: Path) -> list[str]:
     return [r for r in ROWS if r in rows]
 
 
+def plot_link(drawn: Path, output: Path) -> str:
+    """The figure as the markdown at `output` links it: relative to its folder where it lies below."""
+    drawn, folder = drawn.resolve(), output.resolve().parent
+    return str(drawn.relative_to(folder)) if drawn.is_relative_to(folder) else str(drawn)
+
+
 def plot_path(given: Path | None, output: Path) -> Path:
     """--plot, else the README's figure for BENCHMARKS.md and FILE.png beside any other FILE.md: a run
     kept aside for comparison leaves the README's figure alone."""
@@ -390,7 +396,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.render:
         results = json.loads(args.output.with_suffix(".json").read_text())
-        plot(results, plot_path(args.plot, args.output))
+        drawn = plot_path(args.plot, args.output)
+        if plot(
+            results, drawn
+        ):  # linked from where this markdown lies (a run's .json may come from elsewhere)
+            results["plot"] = plot_link(drawn, args.output)
         gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
         args.output.write_text(markdown(results["model"], results, gpu))
         return
@@ -486,11 +496,7 @@ def main() -> None:
     results["machine_load"] = {"other_cores": busy.other_cores, "start": load_start, "end": machine_load()}
     drawn = plot_path(args.plot, args.output)
     if plot(results, drawn):
-        results["plot"] = (
-            str(drawn.relative_to(args.output.parent))
-            if drawn.is_relative_to(args.output.parent)
-            else str(drawn)
-        )
+        results["plot"] = plot_link(drawn, args.output)
     gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
     args.output.write_text(markdown(args.model, results, gpu))
     args.output.with_suffix(".json").write_text(json.dumps(results, indent=2))
