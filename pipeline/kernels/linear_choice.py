@@ -51,14 +51,19 @@ def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
+GEMV_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")  # the pipeline's own kernel, a candidate
+
+
 def cache_path() -> Path:
-    """This host's file of choices: the same CPU, torch and thread count time the same."""
+    """This host's file of choices: the same CPU, torch, thread count and GEMV kernel source time
+    the same (a changed kernel is timed again)."""
     machine = "|".join(
         (
             host.cpuinfo_field("model name"),
             host.cpuinfo_field("flags"),
             torch.__version__,
             str(torch.get_num_threads()),
+            hashlib.sha256(GEMV_SOURCE.read_bytes()).hexdigest(),
         )
     )
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pipeline")
