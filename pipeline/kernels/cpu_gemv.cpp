@@ -11,7 +11,8 @@
 //   summed pairwise into 16 float32 lanes. Measured on such a host (2026-12-01, [57344, 5120] and
 //   [131072, 5120]): 33-36 GB/s at one row where oneDNN's bf16 matmul (F.linear) read 29-31; on
 //   another (a Xeon with AMX, 2026-12-03, [32768, 5120], [5120, 16384], [131072, 5120]): 28-31
-//   GB/s at one row, 26-30 at two, 23-28 at four, where F.linear read 15-23 at every count.
+//   GB/s at one row, 26-30 at two, 23-28 at four (28-30 with the prefetch of kPrefetch), where
+//   F.linear read 15-23 at every count.
 // - AVX2 + FMA, everything else: a bf16 is the high half of a float32 (split16 below), then FMA.
 //   On an AVX2-only host PyTorch's bf16 matmul falls back to ATen's own loops (no oneDNN bf16):
 //   11 GB/s at one row and 3 GB/s at four where a float32 reduction reads 22 (2026-12-02);
