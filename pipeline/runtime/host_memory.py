@@ -10,10 +10,10 @@ pages already touched, and the prefill 8.5-8.9 s against 7.3-7.5 s with its memo
 (2026-12-03, AMX Xeon host). `mallopt(M_MMAP_MAX, 0)` serves large allocations from the heap and
 a high `M_TRIM_THRESHOLD` keeps the freed heap, so the next step's activations land on touched pages.
 
-Process-wide and one-way: memory freed afterwards is kept for the process's later allocations,
-not given back to the system. So it is set where a run starts to generate (weights, allocated
-before, keep their own mappings and are given back when freed), and `runtime.retain_host_memory
-=false` leaves glibc's default.
+Process-wide and one-way: memory freed afterwards is kept for the process's later allocations
+(up to 2 GiB free at the top of the heap; more than that goes back to the system). So it is set
+where a run starts to generate (weights, allocated before, keep their own mappings and are given
+back when freed), and `runtime.retain_host_memory=false` leaves glibc's default.
 """
 
 from __future__ import annotations
