@@ -397,9 +397,8 @@ def main() -> None:
     if args.render:
         results = json.loads(args.output.with_suffix(".json").read_text())
         drawn = plot_path(args.plot, args.output)
-        if plot(
-            results, drawn
-        ):  # linked from where this markdown lies (a run's .json may come from elsewhere)
+        # linked from where this markdown lies: the .json may be a run kept elsewhere
+        if plot(results, drawn):
             results["plot"] = plot_link(drawn, args.output)
         gpu = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None
         args.output.write_text(markdown(results["model"], results, gpu))

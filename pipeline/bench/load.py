@@ -29,7 +29,7 @@ from pipeline.bench import rounds
 from pipeline.bench.child import in_child
 from pipeline.bench.prepare import advance, new_state
 from pipeline.models import zoo
-from pipeline.models.build import on_meta
+from pipeline.models.build import first_touch, on_meta
 
 LOAD_TARGET_S = 15.0
 OURS, HF_INIT, TOUCH = "ours", "HF init", "touch"
@@ -93,7 +93,7 @@ def first_load(name: str, which: str) -> tuple[float, int]:
         if which == TOUCH:
             shapes = [p.shape for p in on_meta(model_cls, state.hf_config, state.device, None).parameters()]
             start = time.perf_counter()
-            touched = [torch.empty(shape).zero_() for shape in shapes]
+            touched = [first_touch(shape, state.dtype, state.device) for shape in shapes]
             return time.perf_counter() - start, sum(t.numel() for t in touched)
         start = time.perf_counter()
         model = model_cls._from_config(state.hf_config)

@@ -74,6 +74,12 @@ def _kind(module: nn.Module, name: str) -> str:
     return "norm" if "norm" in type(module).__name__.lower() else "weight"
 
 
+def first_touch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A parameter's memory, allocated and zeroed: zero_ first, since its parallel first touch of
+    the pages is 3x faster than the fill's (the load bench times this step alone as the touch)."""
+    return torch.empty(shape, dtype=dtype, device=device).zero_()
+
+
 @dataclass
 class InitReport:
     params: int  # of the whole model
@@ -121,8 +127,7 @@ def materialize_random(
                     )
                     materialized[id(param)] = deferred.placeholder(recipe)
                 else:
-                    # zero_ first: its parallel first touch of the pages is 3x faster than the fill's.
-                    real = torch.empty(param.shape, dtype=dtype, device=device).zero_()
+                    real = first_touch(param.shape, dtype, device)
                     _fill(kind, real, bound, param_seed, pool)
                     materialized[id(param)] = nn.Parameter(real, requires_grad=False)
                 bar.update(param.numel())
