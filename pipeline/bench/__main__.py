@@ -147,10 +147,15 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
         )
         if "touch_s" in load:  # since 2026-12-03: the memory's first touch measured in each round
             beyond = load.get("speedup_beyond_touch")
+            without = load.get("beyond_touch_rounds_without_ratio", 0)
+            # a round whose touch took longer than our load has no ratio beyond it (load.py)
+            dropped = (
+                f", {without} of {load['touch_s']['n']} rounds without one (ours <= touch)" if without else ""
+            )
             lines.append(
                 f"| load beyond the touch of its memory ({rounds.shown(load['touch_s'], 1, ' s')} a round) | "
                 f"ours - touch | HF init - touch | - | "
-                f"{_spread_or_value(beyond, 1, 'x') + ' faster (per round)' if beyond else '-'} |"
+                f"{_spread_or_value(beyond, 1, 'x') + ' faster (per round)' if beyond else '-'}{dropped} |"
             )
     if "export" in results:
         export = results["export"]

@@ -67,13 +67,23 @@ def bench_load(name: str, repeats: int, reference: bool) -> dict:
         row["hf_init_s"] = rounds.spread([r.samples[HF_INIT][0] for r in taken])
         # HF init / ours within each round: how many times faster ours is
         row["speedup"] = rounds.spread([r.samples[HF_INIT][0] / r.samples[OURS][0] for r in taken])
-        # the same with the round's touch taken off both: the init work alone
-        row["speedup_beyond_touch"] = rounds.spread(
-            [
-                (r.samples[HF_INIT][0] - r.samples[TOUCH][0]) / (r.samples[OURS][0] - r.samples[TOUCH][0])
-                for r in taken
-            ]
-        )
+        row.update(beyond_touch(taken))
+    return row
+
+
+def beyond_touch(taken: list[rounds.Round]) -> dict:
+    """(HF - touch) / (ours - touch) per round: the init work alone. The touch is a process of its
+    own, so in a round where it drew a slower machine than our load, ours - touch is zero or
+    negative and the round has no ratio; those rounds are counted, not used, and with none left
+    the row has no such ratio."""
+    beyond = [
+        (r.samples[HF_INIT][0] - r.samples[TOUCH][0]) / (r.samples[OURS][0] - r.samples[TOUCH][0])
+        for r in taken
+        if r.samples[OURS][0] > r.samples[TOUCH][0]
+    ]
+    row: dict = {"beyond_touch_rounds_without_ratio": len(taken) - len(beyond)}
+    if beyond:
+        row["speedup_beyond_touch"] = rounds.spread(beyond)
     return row
 
 
