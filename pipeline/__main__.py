@@ -25,6 +25,7 @@ from pipeline import launchers, ranks, sweep
 from pipeline.config import PipelineConfig, register_schemas, resolve_attention, runs_on_cuda, typed, validate
 from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
+from pipeline.runtime.host_memory import give_back_freed_memory
 from pipeline.sweep import record_job_failure
 
 log = logging.getLogger("pipeline")
@@ -57,7 +58,8 @@ def job(cfg: DictConfig) -> None:
         _record_failure(cfg, exc)
     finally:
         if multirun:  # sweep jobs share one process (basic launcher): the next job's memory check
-            free_memory()  # must see the memory this job's model held
+            free_memory()  # must see the memory this job's model held,
+            give_back_freed_memory()  # and the host memory a CPU job kept (runtime/host_memory.py)
 
 
 def _multirun() -> bool:

@@ -1,6 +1,7 @@
 """Freed host memory stays in the process (runtime/host_memory.py): a step's large activation,
 allocated again after it was freed, lands on pages already touched, where glibc's default maps and
-faults in fresh ones every time. Counted in page faults, not timed."""
+faults in fresh ones every time. Counted in page faults, not timed. And given back between the
+jobs of a sweep: the process's resident memory, not its allocator's word."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 import torch
 from conftest import build_tiny, compose_cfg
 
-from pipeline.runtime.host_memory import retain_freed_memory
+from pipeline.runtime.host_memory import give_back_freed_memory, retain_freed_memory
 
 # one activation of 64 MiB, above glibc's largest mmap threshold (32 MiB): 16384 pages of 4 KiB
 FAULTS_OF_AN_ACTIVATION = textwrap.dedent(
@@ -28,13 +30,37 @@ FAULTS_OF_AN_ACTIVATION = textwrap.dedent(
 PAGES = 64 * 2**20 // 4096
 
 
-def test_an_activation_freed_and_allocated_again_faults_in_no_fresh_pages():
+@pytest.fixture
+def retained():
+    """glibc retuned for the test, its defaults back after it (the rest of the suite keeps them)."""
     assert "kept" in retain_freed_memory()
+    yield
+    give_back_freed_memory()
+
+
+def test_an_activation_freed_and_allocated_again_faults_in_no_fresh_pages(retained):
     namespace: dict = {}
     exec(FAULTS_OF_AN_ACTIVATION, namespace)
     # the fewest of three: a test process's other threads may fault pages of their own meanwhile
     faults = min(namespace["faults"]() for _ in range(3))
     assert faults < PAGES // 10, f"{faults} page faults for an activation of {PAGES} pages"
+
+
+def test_the_memory_a_job_kept_goes_back_between_a_sweeps_jobs(retained):
+    """A sweep's job allocated its weights while memory was retained: from the heap, where freed
+    below a later allocation they stayed resident, and the next job's fit check found them taken.
+    give_back_freed_memory (run between a sweep's jobs, pipeline/__main__.py) returns them."""
+    rss = psutil.Process().memory_info
+    weights = torch.ones(256 * 2**20 // 4)  # 256 MiB from the heap while retained
+    later = torch.ones(1024)  # allocated above it: the weights' chunk is not the heap's top
+    before = rss().rss
+    del weights
+    kept = before - rss().rss
+    give_back_freed_memory()
+    given_back = before - rss().rss
+    assert kept < 64 * 2**20, f"{kept / 2**20:.0f} MiB went back without give_back_freed_memory"
+    assert given_back > 200 * 2**20, f"only {given_back / 2**20:.0f} MiB of 256 went back"
+    assert later.sum() == 1024
 
 
 def test_without_it_every_activation_faults_in_fresh_pages():
@@ -56,3 +82,25 @@ def test_demollm_on_cpu_keeps_freed_memory_unless_told_not_to(monkeypatch, retai
     cfg = compose_cfg(["model=tiny_llama3_1_8b", f"runtime.retain_host_memory={str(retain).lower()}"])
     engine.DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), set())
     assert calls == ([1] if retain else [])
+
+
+def test_the_load_bench_loads_on_the_pages_its_touch_faulted_in():
+    """bench/load.py touches a model's bytes in one block and frees it into a heap that keeps all
+    of it (above the 2 GiB a retaining run keeps); the parameters allocated after land there. In a
+    fresh process, as the bench runs it: in this one, earlier tests' trimmed heap holds free chunks
+    without pages, where the parameters may land instead."""
+    code = textwrap.dedent(
+        """
+        import resource, torch
+        from pipeline.bench.load import touch_and_keep
+        from pipeline.models.build import first_touch
+        touch_and_keep(128 * 2**20, torch.device("cpu"))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        params = [first_touch(torch.Size([1024, 1024]), torch.float32, torch.device("cpu")) for _ in range(24)]
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        """
+    )
+    faults = int(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    assert faults < PAGES // 10, f"{faults} page faults for 96 MiB of parameters"

@@ -10,10 +10,15 @@ pages already touched, and the prefill 8.5-8.9 s against 7.3-7.5 s with its memo
 (2026-12-03, AMX Xeon host). `mallopt(M_MMAP_MAX, 0)` serves large allocations from the heap and
 a high `M_TRIM_THRESHOLD` keeps the freed heap, so the next step's activations land on touched pages.
 
-Process-wide and one-way: memory freed afterwards is kept for the process's later allocations
+Process-wide until given back: memory freed meanwhile is kept for the process's later allocations
 (up to 2 GiB free at the top of the heap; more than that goes back to the system). So it is set
 where a run starts to generate (weights, allocated before, keep their own mappings and are given
-back when freed), and `runtime.retain_host_memory=false` leaves glibc's default.
+back when freed), and `runtime.retain_host_memory=false` leaves glibc's default. A sweep runs its
+jobs in one process: a job's weights allocated while the setting held would come from the heap,
+and freed there (not at its top) they would stay in the process, so the next job's memory check
+found 13.7 of 23 GB free (a five-model sweep, 2026-12-04). `give_back_freed_memory`, called between
+a sweep's jobs (pipeline/__main__.py), returns glibc to its defaults and the heap's
+free pages to the system.
 """
 
 from __future__ import annotations
@@ -28,25 +33,67 @@ log = logging.getLogger(__name__)
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-# mallopt takes an int: the largest trim threshold is 2 GiB, above a step's activations (1.3 GB in
-# the prefill above); a freed top of the heap larger than that (a model's weights) still goes back
+# mallopt takes an int: the largest finite trim threshold is 2 GiB (-1 is none: nothing goes back,
+# keep_all_freed_memory), above a step's activations (1.3 GB in the prefill above); a freed top of
+# the heap larger than that (a model's weights) still goes back
 TRIM_THRESHOLD = 2**31 - 1
+# glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD). Once set, the mmap
+# threshold no longer grows with freed mappings (it stays at 128 KiB): more is mapped, none is kept.
+DEFAULT_MMAP_MAX = 65536
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+_retained = False
 
 
 @functools.cache
-def retain_freed_memory() -> str:
-    """Keep freed host memory in this process (once per process). Returns what was done, one line
-    for the log: glibc's allocator retuned, or why not (another C library)."""
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
     except (OSError, AttributeError, TypeError):
-        return f"host memory: glibc's mallopt not found ({name}); freed memory goes back to the system"
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        return None
+    return libc
+
+
+def retain_freed_memory() -> str:
+    """Keep freed host memory in this process (until `give_back_freed_memory`). Returns what was
+    done, one line for the log: glibc's allocator retuned, or why not (another C library)."""
+    return _retain(
+        TRIM_THRESHOLD, "host memory: large allocations from the heap, freed memory kept for the next step"
+    )
+
+
+def keep_all_freed_memory() -> str:
+    """As `retain_freed_memory`, with no limit on the free top of the heap kept (glibc reads a trim
+    threshold of -1 as none): the load bench touches a model's bytes, frees them, and loads on them."""
+    return _retain(-1, "host memory: large allocations from the heap, all freed memory kept")
+
+
+def _retain(trim_threshold: int, message: str) -> str:
+    global _retained
+    libc = _glibc()
+    if libc is None:
+        return "host memory: glibc's mallopt not found; freed memory goes back to the system"
     # each returns 1 on success
-    if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)):
         return "host memory: mallopt refused; freed memory goes back to the system"
-    message = "host memory: large allocations from the heap, freed memory kept for the next step"
-    log.info(message)
+    if not _retained:
+        log.info(message)
+    _retained = True
     return message
+
+
+def give_back_freed_memory() -> bool:
+    """glibc's defaults again, and every free page of the heap returned to the system (malloc_trim
+    also releases free chunks below the heap's top). Returns whether memory had been retained."""
+    global _retained
+    libc = _glibc()
+    if not _retained or libc is None:
+        return False
+    libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+    libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+    libc.malloc_trim(0)
+    _retained = False
+    return True
