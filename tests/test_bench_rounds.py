@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from pipeline.bench import compare, rounds
+from pipeline.bench import compare, load, rounds
 
 
 def drifting_machine(slowdowns: list[float], disturbed: dict[int, float] | None = None):
@@ -88,6 +88,20 @@ def bench_result(ratio: float, pct: float, step_ms: float, noisy: bool = False) 
         "backends": [],
         "prefill": {"rows": []},
     }
+
+
+def test_a_round_whose_touch_outlasts_our_load_has_no_ratio_beyond_it():
+    """(HF - touch) / (ours - touch) is taken only where ours exceeds the touch, which ran in a
+    process of its own and may have drawn a slower machine."""
+    taken = [
+        rounds.Round(samples={load.TOUCH: (touch, 0.0), load.OURS: (ours, 0.0), load.HF_INIT: (hf, 0.0)})
+        for touch, ours, hf in [(4.0, 6.0, 24.0), (7.0, 6.5, 30.0), (5.0, 7.0, 25.0)]
+    ]
+    beyond = load.beyond_touch(taken)
+    assert beyond["beyond_touch_rounds_without_ratio"] == 1
+    ratio = beyond["speedup_beyond_touch"]  # (24 - 4) / (6 - 4) and (25 - 5) / (7 - 5)
+    assert ratio["n"] == 2 and ratio["median"] == pytest.approx(10.0)
+    assert "speedup_beyond_touch" not in load.beyond_touch(taken[1:2])
 
 
 def test_compare_names_the_ratio_that_moved_not_the_time():

@@ -82,25 +82,3 @@ def test_demollm_on_cpu_keeps_freed_memory_unless_told_not_to(monkeypatch, retai
     cfg = compose_cfg(["model=tiny_llama3_1_8b", f"runtime.retain_host_memory={str(retain).lower()}"])
     engine.DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), set())
     assert calls == ([1] if retain else [])
-
-
-def test_the_load_bench_loads_on_the_pages_its_touch_faulted_in():
-    """bench/load.py touches a model's bytes in one block and frees it into a heap that keeps all
-    of it (above the 2 GiB a retaining run keeps); the parameters allocated after land there. In a
-    fresh process, as the bench runs it: in this one, earlier tests' trimmed heap holds free chunks
-    without pages, where the parameters may land instead."""
-    code = textwrap.dedent(
-        """
-        import resource, torch
-        from pipeline.bench.load import touch_and_keep
-        from pipeline.models.build import first_touch
-        touch_and_keep(128 * 2**20, torch.device("cpu"))
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        params = [first_touch(torch.Size([1024, 1024]), torch.float32, torch.device("cpu")) for _ in range(24)]
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        """
-    )
-    faults = int(
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    )
-    assert faults < PAGES // 10, f"{faults} page faults for 96 MiB of parameters"
