@@ -16,9 +16,9 @@ where a run starts to generate (weights, allocated before, keep their own mappin
 back when freed), and `runtime.retain_host_memory=false` leaves glibc's default. A sweep runs its
 jobs in one process: a job's weights allocated while the setting held would come from the heap,
 and freed there (not at its top) they would stay in the process, so the next job's memory check
-found 13.7 of 23 GB free (a five-model sweep, 2026-12-04). `give_back_freed_memory`, called between
-a sweep's jobs (pipeline/__main__.py), returns glibc to its defaults and the heap's
-free pages to the system.
+found 13.7 of 23 GB free (a five-model sweep, 2026-12-04). `give_back_freed_memory`, called
+between a sweep's jobs (pipeline/__main__.py), returns glibc to its defaults and the heap's free
+pages to the system.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ M_MMAP_MAX = -4
 # (1.3 GB in the prefill above); a freed top of the heap larger than that (a model's weights) still
 # goes back
 TRIM_THRESHOLD = 2**31 - 1
-# glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD). Once set, the mmap
-# threshold no longer grows with freed mappings (it stays at 128 KiB): more is mapped, none is kept.
+# glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD). Once either was set,
+# glibc's mmap threshold stops adapting and stays at 128 KiB: after the give-back every block above
+# it is mapped fresh and unmapped when freed, as in a new process before its threshold grows.
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
 
