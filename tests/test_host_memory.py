@@ -82,3 +82,24 @@ def test_demollm_on_cpu_keeps_freed_memory_unless_told_not_to(monkeypatch, retai
     cfg = compose_cfg(["model=tiny_llama3_1_8b", f"runtime.retain_host_memory={str(retain).lower()}"])
     engine.DemoLLM(model, hf_config, cfg.runtime, torch.device("cpu"), set())
     assert calls == ([1] if retain else [])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_sweeps_job_gives_the_kept_memory_back_however_it_ends(monkeypatch, fails):
+    """pipeline/__main__.job, as a sweep runs each job in one process: the host memory the job
+    kept goes back before the next job's memory check, whether the job finished or failed."""
+    import pipeline.__main__ as main
+
+    def job_body(cfg):
+        retain_freed_memory()
+        if fails:
+            raise RuntimeError("a stage failed")
+
+    given_back = []
+    monkeypatch.setattr(main, "_multirun", lambda: True)
+    monkeypatch.setattr(main, "_job", job_body)
+    monkeypatch.setattr(main, "_record_failure", lambda cfg, exc: None)
+    monkeypatch.setattr(main, "free_memory", lambda: None)
+    monkeypatch.setattr(main, "give_back_freed_memory", lambda: given_back.append(give_back_freed_memory()))
+    main.job(None)
+    assert given_back == [True]
