@@ -5,6 +5,7 @@ the comparison of two bench results names the ratio that moved (no timing measur
 from __future__ import annotations
 
 import copy
+import resource
 
 import pytest
 
@@ -90,18 +91,29 @@ def bench_result(ratio: float, pct: float, step_ms: float, noisy: bool = False) 
     }
 
 
-def test_a_round_whose_touch_outlasts_our_load_has_no_ratio_beyond_it():
-    """(HF - touch) / (ours - touch) is taken only where ours exceeds the touch, which ran in a
-    process of its own and may have drawn a slower machine."""
+def test_a_round_whose_touched_load_spilled_off_its_block_has_no_touched_ratio():
+    """HF init / ours on touched memory is taken only in rounds where neither load faulted in more
+    than its allowance (SPILL_FRACTION of the model's bytes beside SPILL_ALLOWANCE_BYTES): a load
+    whose parameters landed off the touched block timed part of a touch."""
+    model_bytes = 11_600_000_000
+    pages = (load.SPILL_FRACTION * model_bytes + load.SPILL_ALLOWANCE_BYTES) / resource.getpagesize()
+    clean, spilled = 400, int(pages) + 1  # a clean mistral3 load faulted 400 pages; a spill 1.04 M
     taken = [
-        rounds.Round(samples={load.TOUCH: (touch, 0.0), load.OURS: (ours, 0.0), load.HF_INIT: (hf, 0.0)})
-        for touch, ours, hf in [(4.0, 6.0, 24.0), (7.0, 6.5, 30.0), (5.0, 7.0, 25.0)]
+        rounds.Round(samples={load.OURS_TOUCHED: (ours, 0.0), load.HF_INIT_TOUCHED: (hf, 0.0)})
+        for ours, hf in [(5.0, 20.0), (30.0, 21.0), (5.5, 22.0), (5.2, 20.8)]
     ]
-    beyond = load.beyond_touch(taken)
-    assert beyond["beyond_touch_rounds_without_ratio"] == 1
-    ratio = beyond["speedup_beyond_touch"]  # (24 - 4) / (6 - 4) and (25 - 5) / (7 - 5)
-    assert ratio["n"] == 2 and ratio["median"] == pytest.approx(10.0)
-    assert "speedup_beyond_touch" not in load.beyond_touch(taken[1:2])
+    faults = [
+        {load.OURS_TOUCHED: clean, load.HF_INIT_TOUCHED: clean},
+        {load.OURS_TOUCHED: spilled, load.HF_INIT_TOUCHED: clean},
+        {load.OURS_TOUCHED: clean, load.HF_INIT_TOUCHED: clean},
+        {load.OURS_TOUCHED: clean, load.HF_INIT_TOUCHED: spilled},
+    ]
+    assert not load.spilled(int(pages), model_bytes) and load.spilled(spilled, model_bytes)
+    row = load.touched_speedup(taken, faults, model_bytes)
+    assert row["touched_rounds_spilled"] == 2
+    ratio = row["speedup_touched"]  # 20 / 5 and 22 / 5.5
+    assert ratio["n"] == 2 and ratio["median"] == pytest.approx(4.0)
+    assert "speedup_touched" not in load.touched_speedup(taken[1:2], faults[1:2], model_bytes)
 
 
 def test_compare_names_the_ratio_that_moved_not_the_time():

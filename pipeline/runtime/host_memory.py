@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-# mallopt takes an int: the largest finite trim threshold is 2 GiB, above a step's activations
-# (1.3 GB in the prefill above); a freed top of the heap larger than that (a model's weights) still
-# goes back
+# mallopt takes an int: the largest finite trim threshold is 2 GiB (-1 is none: nothing goes back,
+# keep_all_freed_memory), above a step's activations (1.3 GB in the prefill above); a freed top of
+# the heap larger than that (a model's weights) still goes back
 TRIM_THRESHOLD = 2**31 - 1
 # glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD). Once either was set,
 # glibc's mmap threshold stops adapting and stays at 128 KiB: after the give-back every block above
@@ -61,14 +61,25 @@ def _glibc() -> ctypes.CDLL | None:
 def retain_freed_memory() -> str:
     """Keep freed host memory in this process (until `give_back_freed_memory`). Returns what was
     done, one line for the log: glibc's allocator retuned, or why not (another C library)."""
+    return _retain(
+        TRIM_THRESHOLD, "host memory: large allocations from the heap, freed memory kept for the next step"
+    )
+
+
+def keep_all_freed_memory() -> str:
+    """As `retain_freed_memory`, with no limit on the free top of the heap kept (glibc reads a trim
+    threshold of -1 as none): the load bench touches a model's bytes, frees them, and loads on them."""
+    return _retain(-1, "host memory: large allocations from the heap, all freed memory kept")
+
+
+def _retain(trim_threshold: int, message: str) -> str:
     global _retained
     libc = _glibc()
     if libc is None:
         return "host memory: glibc's mallopt not found; freed memory goes back to the system"
     # each returns 1 on success
-    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)):
         return "host memory: mallopt refused; freed memory goes back to the system"
-    message = "host memory: large allocations from the heap, freed memory kept for the next step"
     if not _retained:
         log.info(message)
     _retained = True
