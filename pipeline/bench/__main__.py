@@ -140,7 +140,11 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
         )
         speedup = load.get("speedup")
         per_round = " (per round)" if isinstance(speedup, dict) else ""
-        ratio = f"{_spread_or_value(speedup, 1, 'x')} faster{per_round}" if speedup is not None else "-"
+        ratio = (
+            f"{_spread_or_value(speedup, 1, 'x')} faster{per_round}{_noisy(speedup)}"
+            if speedup is not None
+            else "-"
+        )
         lines.append(
             f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
             f"< {load['target_s']:.0f} s | {ratio} |"
@@ -159,9 +163,10 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
                 else ""
             )
             lines.append(
-                f"| load on memory touched first (the touch: {rounds.shown(load['touch_gbs'], 1, ' GB/s')}) | "
+                f"| load on memory touched first (the touch: {rounds.shown(load['touch_gbs'], 2, ' GB/s')}) | "
                 f"{rounds.shown(load['ours_touched_s'], 1, ' s')} | {hf_touched} | - | "
-                f"{_spread_or_value(touched, 1, 'x') + ' faster (per round)' if touched else '-'}{dropped} |"
+                f"{_spread_or_value(touched, 1, 'x') + ' faster (per round)' + _noisy(touched) if touched else '-'}"
+                f"{dropped} |"
             )
     if "export" in results:
         export = results["export"]
@@ -232,6 +237,11 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
     if gpu and not partial:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
+
+
+def _noisy(value) -> str:
+    """` NOISY` after a per-round ratio that spread too wide to be a result (rounds.NOISY_SPREAD)."""
+    return " NOISY" if isinstance(value, dict) and rounds.is_noisy(value) else ""
 
 
 def _spread_or_value(value, digits: int, unit: str) -> str:
