@@ -28,8 +28,9 @@ own meta init does the same), and with mmap turned off those transient blocks co
 heap, between small live allocations. The heap is left in pieces: with a block of the model's
 bytes plus 0.26 GB, ours put 4.0 of 11.6 GB (a layer's MLP and the lm_head) past it in most
 processes, on fresh pages, and took 18-37 s against 5.3 s (2026-12-04). With half again, three of
-three landed whole. Each touched load counts its page faults, and a round where either faulted in
-more than SPILL_FRACTION of the model's bytes (beside a fixed allowance for the process's own small
+three landed whole, and so did all 20 touched loads of the two bench runs after (at most 381
+faults). Each touched load counts its page faults, and a round where either faulted in more than
+SPILL_FRACTION of the model's bytes (beside a fixed allowance for the process's own small
 allocations) has no touched ratio: such rounds are counted, not used."""
 
 from __future__ import annotations
