@@ -46,8 +46,8 @@ import torch
 from pipeline.bench import rounds
 from pipeline.bench.child import in_child
 from pipeline.bench.prepare import advance, new_state
-from pipeline.models import zoo
-from pipeline.models.build import first_touch, on_meta
+from pipeline.models import meta, zoo
+from pipeline.models.build import first_touch
 from pipeline.runtime.host_memory import keep_all_freed_memory
 
 LOAD_TARGET_S = 15.0
@@ -155,9 +155,7 @@ def first_load(name: str, which: str, touched: bool) -> tuple[float, int, float,
         model_cls = zoo.resolve_model_class(state.cfg.model, state.hf_config)
         touch_s = 0.0
         if touched:
-            skeleton = on_meta(model_cls, state.hf_config, state.device, None)
-            nbytes = sum(p.numel() * p.element_size() for p in skeleton.parameters())
-            del skeleton
+            nbytes = meta.parameter_count(meta.meta_model(model_cls, state.hf_config)) * state.dtype.itemsize
             touch_s = touch_and_keep(int(TOUCH_HEADROOM * nbytes), state.device)
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
