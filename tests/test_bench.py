@@ -13,7 +13,7 @@ import torch
 from conftest import REPO_ROOT
 
 import pipeline.bench.__main__ as bench
-from pipeline.bench import compare, decode, engine_work, pipeline_run
+from pipeline.bench import compare, decode, engine_work, pipeline_run, tensor_parallel
 from pipeline.kernels import cpu_gemv
 
 pytestmark = pytest.mark.slow
@@ -232,3 +232,27 @@ def is_spread(value: dict, rounds: int) -> bool:
         and all(math.isfinite(value[k]) for k in ("median", "p10", "p90"))
         and value["p10"] <= value["median"] <= value["p90"]
     )
+
+
+def test_tensor_parallel_blocks_on_a_tiny_model():
+    """`make bench-tp`'s blocks on two gloo ranks of a tiny model: every block runs, a world-2 rank
+    reads half the sharded weights of one process (the replicated lm_head more), each block has its
+    read limit, and the table shows every block."""
+    args = {
+        "model": "tiny_mistral3", "dtype": "float32", "device": "cpu", "worlds": [1, 2], "batch": 1,
+        "prompt_len": 16, "steps": 2, "repeats": 2, "threads": 2,
+    }  # fmt: skip
+    result = tensor_parallel.bench(args)
+    blocks = {b["label"]: b for b in result["blocks"]}
+    assert [b.get("error") for b in blocks.values()] == [None] * 5, blocks
+    one = blocks["world 1"]["ranks"][0]["weight_bytes"]
+    vocab_parallel = blocks["world 2, lm_head vocab-parallel"]["ranks"]
+    replicated = blocks["world 2, lm_head replicated"]["ranks"]
+    slices = blocks["world 2, only its slices allocated"]["ranks"]
+    assert all(r["weight_bytes"] < one for r in vocab_parallel + slices), blocks
+    assert all(r["weight_bytes"] > v["weight_bytes"] for r, v in zip(replicated, vocab_parallel, strict=True))
+    assert [r["weight_bytes"] for r in slices] == [r["weight_bytes"] for r in vocab_parallel]
+    assert all(r["regions"] > 0 and r["collective_pct"] > 0 for r in vocab_parallel + replicated + slices)
+    assert all(b["read_gbs"] > 0 and b["read_pct"] > 0 for b in blocks.values())
+    table = tensor_parallel.markdown(result)
+    assert all(f"| {label} |" in table for label in blocks) and "failed" not in table

@@ -18,7 +18,9 @@ says what a rank needs. Within a block: `repeats` samples after a warm-up, each 
 weights a step reads (its shards and its lm_head), the share of a profiled step spent in the
 collectives (functional all_reduce / all_gather + wait_tensor, waits for the peer included), one
 all-reduce of a decode step's activation alone and one all-gather of a step's logits alone (the
-collectives' own latency).
+collectives' own latency). Beside them, the block's read limit: every rank reads a buffer of its
+own at once, before and after the samples, so the table says what fraction of the bandwidth its
+threads reach each world's step takes (what limits it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.multiprocessing as mp
 
 from pipeline import REPO_ROOT
 from pipeline.bench import rounds
+from pipeline.bench.limits import ReadLimit
 from pipeline.bench.prepare import engine_of, prepared
 from pipeline.graphs import eager_graphs
 from pipeline.models import zoo
@@ -50,6 +53,9 @@ COLLECTIVES = (
     "_c10d_functional::all_gather_into_tensor",
     "_c10d_functional::wait_tensor",
 )
+# Half the decode rows' buffer: a world-2 rank with the whole model beside its slices holds 8.6 GB of
+# mistral3 in bfloat16, and two of them must fit this 23 GiB host with their buffers.
+READ_LIMIT_GIB = 0.5
 RESULTS = REPO_ROOT / "BENCHMARKS.tp.json"  # BENCHMARKS.md shows it (python -m pipeline.bench --render)
 
 
@@ -86,6 +92,14 @@ def _collective_us(op: str, shape: tuple[int, ...], dtype, device: torch.device,
     return statistics.median(times)
 
 
+def _read_gbs(limit: ReadLimit, world: int) -> float:
+    """This rank's read bandwidth, every rank of the world reading its own buffer at once (a barrier
+    starts them together): on one memory bus, the ranks' rates add up to what the world reads."""
+    if world > 1:
+        dist.barrier()
+    return limit.measure()
+
+
 def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: list[str], results) -> None:
     """One rank of a world (world 1: the process alone): prepare, warm up, sample, profile."""
     device = torch.device(args["device"], rank) if args["device"] == "cuda" else torch.device("cpu")
@@ -93,6 +107,8 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
     try:
         if world > 1:
             join(rank, world, f"tcp://127.0.0.1:{port}", 600, device.type == "cuda", rank)
+        # allocated before the model (a buffer in freshly freed memory reads slower: limits.ReadLimit)
+        limit = ReadLimit(READ_LIMIT_GIB, device)
         dtype = getattr(torch, args["dtype"])
         overrides = [f"model={args['model']}", "capture=partial", "backend=torch-simple", *extra]
         with prepared(overrides, dtype, device, ("load", "export", "transforms", "capture")) as state:
@@ -104,10 +120,13 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
             )
             requests = [Request(i, prompts[i].tolist()) for i in range(prompts.shape[0])]
             _decode_s(engine, requests, 2)  # warm-up
+            read_before = _read_gbs(limit, world)
             samples = [_decode_s(engine, requests, args["steps"]) for _ in range(args["repeats"])]
+            read_after = _read_gbs(limit, world)
             result = {
                 "rank": rank,
                 "step_s": samples,
+                "read_gbs": (read_before + read_after) / 2,
                 "weight_bytes": decode_weight_bytes(state.model, state.model_info.language_model_paths[0]),
                 "regions": state.transform_history.matches("shard") if state.transform_history else 0,
             }
@@ -152,7 +171,12 @@ def run_block(label: str, world: int, args: dict, extra: list[str] = ()) -> dict
     if errors := [r["error"] for r in ranks if "error" in r]:
         return {**block, "error": errors[0]}
     steps = [max(values) for values in zip(*(r["step_s"] for r in ranks), strict=True)]
-    return {**block, "step_ms": rounds.spread([1000 * s for s in steps]), "ranks": ranks}
+    step_ms = rounds.spread([1000 * s for s in steps])
+    read_gbs = sum(r["read_gbs"] for r in ranks)  # the ranks read at once: their rates add up
+    weights_gbs = sum(r["weight_bytes"] for r in ranks) / (step_ms["median"] / 1000) / 1e9
+    return {
+        **block, "step_ms": step_ms, "ranks": ranks, "read_gbs": read_gbs, "read_pct": 100 * weights_gbs / read_gbs,
+    }  # fmt: skip
 
 
 def bench(args: dict) -> dict:
@@ -166,7 +190,9 @@ def bench(args: dict) -> dict:
         slices = ["runtime.tp_weights=shard"]
         blocks.append(run_block(f"world {world}, only its slices allocated", world, args, slices))
     blocks.append(run_block("world 1 again", 1, args))
-    return {**args, "date": time.strftime("%Y-%m-%d %H:%M"), "blocks": blocks}
+    from pipeline.bench.__main__ import machine  # that module renders this one's table: imported late
+
+    return {**args, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "blocks": blocks}
 
 
 def _per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
@@ -178,25 +204,38 @@ def markdown(result: dict) -> str:
         f"## Tensor parallelism, `model={result['model']}` ({result['dtype']}, {result['device']}, batch "
         f"{result['batch']}, prompt {result['prompt_len']} tokens, demollm torch-simple)",
         "",
-        f"Recorded {result['date']} with `make bench-tp` (`python -m pipeline.bench.tensor_parallel`, saved in "
+        f"Recorded {result['date']}{' on ' + result['machine']['isa'] if 'machine' in result else ''} with `make bench-tp` (`python -m pipeline.bench.tensor_parallel`, saved in "
         f"{RESULTS.name}); blocks in this order, each in fresh processes, {result['repeats']} samples of "
-        f"{result['steps']} decode steps after a warm-up; per-rank values separated by commas. Not run on "
-        "GPUs: no multi-GPU machine was lent (`--device cuda --worlds 1,2,4,8` there).",
+        f"{result['steps']} decode steps after a warm-up; per-rank values separated by commas; a world's step "
+        "is its slowest rank's; x world 1: its median over the mean of the world-1 blocks' medians. "
+        f"Read limit: each rank reads a {READ_LIMIT_GIB:g} GiB float32 buffer of its own before and after "
+        "the samples, all ranks at once, with the rank's threads (the mean of the two; the ranks' rates "
+        "summed); % of read limit: the weights all ranks read per step over the median step, against it."
+        + (
+            " Not run on GPUs: no multi-GPU machine was lent (`--device cuda --worlds 1,2,4,8` there)."
+            if result["device"] == "cpu"
+            else ""
+        ),
         "",
-        "| block | threads/rank | decode ms/step (p10-p90) | weights read/step GB | of which lm_head GB | "
+        "| block | threads/rank | decode ms/step (p10-p90) | x world 1 | weights read/step GB | "
+        "of which lm_head GB | read limit GB/s, ranks together | % of read limit | "
         "collectives' share of a step % | one all-reduce us | one logits all-gather us | peak memory GB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    world_1 = [b["step_ms"]["median"] for b in result["blocks"] if b["world"] == 1 and "step_ms" in b]
     for block in result["blocks"]:
         if "error" in block:
-            lines.append(f"| {block['label']} | {block['threads']} | failed: {block['error']} |" + " |" * 6)
+            lines.append(f"| {block['label']} | {block['threads']} | failed: {block['error']} |" + " |" * 9)
             continue
         step, ranks = block["step_ms"], block["ranks"]
         noisy = " NOISY" if rounds.is_noisy(step) else ""
+        # pre-2026-12-04 records have no read limit
+        read = f"{block['read_gbs']:.1f} | {block['read_pct']:.0f} %" if "read_gbs" in block else "- | -"
+        ratio = f"{step['median'] / statistics.mean(world_1):.2f}" if world_1 else "-"
         lines.append(
             f"| {block['label']} | {block['threads']} | {step['median']:.1f} ({step['p10']:.1f}-"
-            f"{step['p90']:.1f}){noisy} | {_per_rank(ranks, 'weight_bytes', 1e9, '.3g')} | "
-            f"{_per_rank(ranks, 'lm_head_bytes', 1e9, '.3g')} | {_per_rank(ranks, 'collective_pct', 1, '.1f')} | "
+            f"{step['p90']:.1f}){noisy} | {ratio} | {_per_rank(ranks, 'weight_bytes', 1e9, '.3g')} | "
+            f"{_per_rank(ranks, 'lm_head_bytes', 1e9, '.3g')} | {read} | {_per_rank(ranks, 'collective_pct', 1, '.1f')} | "
             f"{_per_rank(ranks, 'all_reduce_us', 1, '.0f')} | {_per_rank(ranks, 'all_gather_logits_us', 1, '.0f')} | "
             f"{_per_rank(ranks, 'peak_rss_bytes', 1e9, '.3g')} |"
         )

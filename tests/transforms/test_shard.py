@@ -152,7 +152,6 @@ def test_tp_plan_source_takes_the_models_plan_and_the_lm_head_can_stay_whole():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "backend"),
     [(f"tiny_{seed}", backend) for seed in SEED_MODELS for backend in ("torch-simple", "torch-compile")],
