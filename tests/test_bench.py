@@ -254,5 +254,6 @@ def test_tensor_parallel_blocks_on_a_tiny_model():
     assert [r["weight_bytes"] for r in slices] == [r["weight_bytes"] for r in vocab_parallel]
     assert all(r["regions"] > 0 and r["collective_pct"] > 0 for r in vocab_parallel + replicated + slices)
     assert all(b["read_gbs"] > 0 and b["read_pct"] > 0 for b in blocks.values())
+    assert all(r["peak_rss_bytes"] > 0 for b in blocks.values() for r in b["ranks"])
     table = tensor_parallel.markdown(result)
     assert all(f"| {label} |" in table for label in blocks) and "failed" not in table

@@ -12,8 +12,8 @@ whole model beside its shards, so two blocks do not fit in memory together): wor
 world with the lm_head vocab-parallel (the shard transform's default) and replicated
 (`transforms.shard.lm_head`), the measured choice, and with `runtime.tp_weights=shard` (each rank
 allocates only its slices); world 1 again, so the drift of a noisy machine shows as the gap between
-the two world-1 blocks. Each rank's peak resident memory (getrusage's ru_maxrss of its process)
-says what a rank needs. Within a block: `repeats` samples after a warm-up, each the median decode step of
+the two world-1 blocks. Each rank's peak resident memory (getrusage's ru_maxrss of its process,
+less the read limit's buffer) says what a rank needs. Within a block: `repeats` samples after a warm-up, each the median decode step of
 `steps` steps; a world's step is its slowest rank's. Beside the times, per rank: the bytes of
 weights a step reads (its shards and its lm_head), the share of a profiled step spent in the
 collectives (functional all_reduce / all_gather + wait_tensor, waits for the peer included), one
@@ -142,7 +142,10 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
             with eager_graphs(state.model) as eager:  # HF's accessor walks the eager modules
                 head = eager.get_output_embeddings()
             result["lm_head_bytes"] = sum(p.numel() * p.element_size() for p in head.parameters())
-        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        # Linux: KiB. Less the read limit's buffer, resident from before the load to the end: what
+        # the rank needs, not what the bench added
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss_bytes"] = peak - limit.buffer.numel() * limit.buffer.element_size()
         results.put(result)
     except Exception as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -210,7 +213,8 @@ def markdown(result: dict) -> str:
         "is its slowest rank's; x world 1: its median over the mean of the world-1 blocks' medians. "
         f"Read limit: each rank reads a {READ_LIMIT_GIB:g} GiB float32 buffer of its own before and after "
         "the samples, all ranks at once, with the rank's threads (the mean of the two; the ranks' rates "
-        "summed); % of read limit: the weights all ranks read per step over the median step, against it."
+        "summed); % of read limit: the weights all ranks read per step over the median step, against it. "
+        "Peak memory: a rank's peak resident set, less its read buffer."
         + (
             " Not run on GPUs: no multi-GPU machine was lent (`--device cuda --worlds 1,2,4,8` there)."
             if result["device"] == "cpu"
