@@ -170,16 +170,14 @@ def test_tensor_parallel_ranks_are_counted_in_what_must_fit(monkeypatch):
     from pipeline.errors import ConfigError
     from pipeline.models import memory, meta
 
-    def fits(overrides: list[str], device: str, free_gb: float) -> None:
+    def fits(overrides: list[str], device: str, free_gb: float, dtype: torch.dtype = torch.bfloat16) -> None:
         cfg = compose_cfg(["model=llama4_scout", *overrides])
         hf_config = zoo.build_hf_config(cfg.model)
         params = meta.parameter_count(
             meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config)
         )
         monkeypatch.setattr(memory, "free_bytes", lambda device: free_gb * 10**9)
-        memory.check_fits(
-            params, hf_config, cfg.runtime, "llama4_scout", torch.bfloat16, torch.device(device)
-        )
+        memory.check_fits(params, hf_config, cfg.runtime, "llama4_scout", dtype, torch.device(device))
 
     two = ["runtime.world_size=2"]
     fits([], "cpu", 24)  # 14.7 GB of bfloat16 weights, once
@@ -189,3 +187,8 @@ def test_tensor_parallel_ranks_are_counted_in_what_must_fit(monkeypatch):
     with pytest.raises(ConfigError, match=r"1.5x the weights for 2 ranks"):
         fits(two, "cuda", 12)
     fits([*two, "runtime.tp_weights=shard"], "cuda", 12)  # half a model per GPU
+    # float32: every change that fits is named with what it needs, bfloat16 alone does not fit
+    with pytest.raises(
+        ConfigError, match=r"use runtime.tp_weights=shard \(about [\d.]+ GB\) or dtype=bfloat16 with"
+    ):
+        fits(two, "cpu", 40, torch.float32)

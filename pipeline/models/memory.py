@@ -72,15 +72,16 @@ def kv_cache_bytes(hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> int
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
 
 
-def weight_copies(runtime: RuntimeConfig, device: torch.device) -> float:
+def weight_copies(runtime: RuntimeConfig, device: torch.device, tp_weights: str | None = None) -> float:
     """How many whole models' weights one memory holds under tensor parallelism. A rank with
     runtime.tp_weights=whole holds the whole model beside its slices (1 + 1/N); with shard, its
     slices (1/N; the replicated embedding, norms and vision tower put it a little above). A GPU
-    holds one rank's; a CPU host every rank's."""
+    holds one rank's; a CPU host every rank's. `tp_weights` in place of the runtime's: what the
+    other mode would hold."""
     world = runtime.world_size
     if world <= 1:
         return 1.0
-    per_rank = 1 / world if runtime.tp_weights == "shard" else 1 + 1 / world
+    per_rank = 1 / world if (tp_weights or runtime.tp_weights) == "shard" else 1 + 1 / world
     return per_rank if device.type == "cuda" else per_rank * world
 
 
@@ -114,14 +115,24 @@ def check_fits(
     need = needed_bytes(params, hf_config, runtime, dtype, copies)
     free = free_bytes(device)
     if need > free:
-        half = needed_bytes(params, hf_config, runtime, torch.bfloat16, copies)
-        sliced = runtime.world_size > 1 and runtime.tp_weights == "whole"
-        if dtype.itemsize > 2 and half <= free:
-            hint = f"dtype=bfloat16 (about {half / 1e9:.1f} GB)"
-        elif sliced:
-            hint = "runtime.tp_weights=shard (each rank allocates only its slices)"
-        else:
-            hint = "fewer layers (model.model_kwargs...num_hidden_layers) or a smaller runtime.kv_cache_mb"
+        # every change of one or two keys that fits, with what it would need
+        fixes = []
+        if dtype.itemsize > 2:
+            fixes.append(("dtype=bfloat16", torch.bfloat16, copies))
+        if runtime.world_size > 1 and runtime.tp_weights == "whole":
+            slices = weight_copies(runtime, device, "shard")
+            fixes.append(("runtime.tp_weights=shard", dtype, slices))  # each rank only its slices
+            if dtype.itemsize > 2:
+                fixes.append(("dtype=bfloat16 with runtime.tp_weights=shard", torch.bfloat16, slices))
+        fitting = [
+            f"{fix} (about {fix_need / 1e9:.1f} GB)"
+            for fix, fix_dtype, fix_copies in fixes
+            if (fix_need := needed_bytes(params, hf_config, runtime, fix_dtype, fix_copies)) <= free
+        ]
+        hint = (
+            " or ".join(fitting[:2])  # the pair of both changes shows only where one alone does not fit
+            or "fewer layers (model.model_kwargs...num_hidden_layers) or a smaller runtime.kv_cache_mb"
+        )
         ranks = (
             f", {copies:.2g}x the weights for {runtime.world_size} ranks with runtime.tp_weights={runtime.tp_weights}"
             if copies != 1
