@@ -189,6 +189,7 @@ def test_tensor_parallel_ranks_are_counted_in_what_must_fit(monkeypatch):
     fits([*two, "runtime.tp_weights=shard"], "cuda", 12)  # half a model per GPU
     # float32: every change that fits is named with what it needs, bfloat16 alone does not fit
     with pytest.raises(
-        ConfigError, match=r"use runtime.tp_weights=shard \(about [\d.]+ GB\) or dtype=bfloat16 with"
+        ConfigError,
+        match=r"use runtime.tp_weights=shard \(about [\d.]+ GB\) or dtype=bfloat16 runtime.tp_weights=shard \(about",
     ):
         fits(two, "cpu", 40, torch.float32)

@@ -109,8 +109,17 @@ def auto_dtype(params: int, hf_config, runtime: RuntimeConfig, device) -> tuple[
 
 
 def check_fits(
-    params: int, hf_config, runtime: RuntimeConfig, model_name: str, dtype: torch.dtype, device
+    params: int,
+    hf_config,
+    runtime: RuntimeConfig,
+    model_name: str,
+    dtype: torch.dtype,
+    device,
+    shard_fix: str = "runtime.tp_weights=shard",
 ) -> None:
+    """ConfigError when the load would not fit, naming each change that would. shard_fix: the
+    overrides that turn on runtime.tp_weights=shard in this config (with what it refuses, e.g. the
+    eager profile reference, turned off)."""
     copies = weight_copies(runtime, device)
     need = needed_bytes(params, hf_config, runtime, dtype, copies)
     free = free_bytes(device)
@@ -121,9 +130,9 @@ def check_fits(
             fixes.append(("dtype=bfloat16", torch.bfloat16, copies))
         if runtime.world_size > 1 and runtime.tp_weights == "whole":
             slices = weight_copies(runtime, device, "shard")
-            fixes.append(("runtime.tp_weights=shard", dtype, slices))  # each rank only its slices
+            fixes.append((shard_fix, dtype, slices))  # each rank only its slices
             if dtype.itemsize > 2:
-                fixes.append(("dtype=bfloat16 with runtime.tp_weights=shard", torch.bfloat16, slices))
+                fixes.append((f"dtype=bfloat16 {shard_fix}", torch.bfloat16, slices))
         fitting = [
             f"{fix} (about {fix_need / 1e9:.1f} GB)"
             for fix, fix_dtype, fix_copies in fixes
