@@ -124,7 +124,7 @@ def check_fits(
     need = needed_bytes(params, hf_config, runtime, dtype, copies)
     free = free_bytes(device)
     if need > free:
-        # every change of one or two keys that fits, with what it would need
+        # every change that would fit, with what it would need
         fixes = []
         if dtype.itemsize > 2:
             fixes.append(("dtype=bfloat16", torch.bfloat16, copies))
