@@ -161,9 +161,10 @@ def _job(cfg: DictConfig) -> None:
         dtype, note = auto_dtype(checked.params, checked.hf_config, config.runtime, device)
     else:
         dtype = resolve_dtype(config.dtype, device)
-    # runtime.tp_weights=shard leaves no eager model to profile beside the run (ranks.check_shard_weights)
-    eager_reference = config.profile.enabled and config.profile.reference == "eager"
-    shard_fix = "runtime.tp_weights=shard" + (" profile.reference=none" if eager_reference else "")
+    # the memory check's shard suggestion must pass check_shard_weights too
+    shard_fix = "runtime.tp_weights=shard" + (
+        " profile.reference=none" if ranks.profiles_eager_reference(config) else ""
+    )
     check_fits(checked.params, checked.hf_config, config.runtime, config.model.name, dtype, device, shard_fix)
     if note:
         log.warning(note)

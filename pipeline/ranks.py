@@ -116,6 +116,12 @@ def check_world(config: PipelineConfig, hf_config, on_cuda: bool, multirun: bool
             )
 
 
+def profiles_eager_reference(config: PipelineConfig) -> bool:
+    """Whether the run profiles the whole eager model beside it, which runtime.tp_weights=shard
+    cannot hold."""
+    return config.profile.enabled and config.profile.reference == "eager"
+
+
 def check_shard_weights(config: PipelineConfig, world: int) -> None:
     """runtime.tp_weights=shard leaves no whole weight on any rank: what needs one is refused."""
     key = "runtime.tp_weights=shard"
@@ -130,7 +136,7 @@ def check_shard_weights(config: PipelineConfig, world: int) -> None:
             "graph capture.submodules names; leave capture.submodules empty (capture=partial finds the "
             "language model)"
         )
-    if config.profile.enabled and config.profile.reference == "eager":
+    if profiles_eager_reference(config):
         raise ConfigError(
             f"{key}: no rank holds the whole eager model to profile beside the run; set "
             "profile.reference=none (or runtime.tp_weights=whole)"
