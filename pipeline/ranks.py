@@ -80,7 +80,7 @@ def check_world(config: PipelineConfig, hf_config, on_cuda: bool, multirun: bool
     if launched is not None and multirun:
         raise ConfigError(
             "a sweep (-m) under torchrun: torchrun runs one job; sweep with `python -m pipeline -m "
-            "runtime.world_size=N ...` (each job spawns its ranks) or one torchrun per job (README)"
+            "runtime.world_size=N ...` (each job spawns its ranks) or one torchrun per job (docs/tensor-parallel.md)"
         )
     if config.capture.mode == "none":
         raise ConfigError(

@@ -5,7 +5,7 @@ Names: the values that tell a run apart, joined by `·` (`mistral3·partial·com
 child by the values it sweeps only (`qwen3·none`, the models' common prefix `tiny_` left out).
 The MLflow UI's runs table gives a name 122 px (a child, indented, 98 px) of 12 px system sans
 before it cuts it: measured in Chromium at 1600 px (tests/test_browser.py checks it). A name that
-would not fit takes the short forms of capture and backend (`part`, `tc`: README "MLflow UI").
+would not fit takes the short forms of capture and backend (`part`, `tc`: docs/mlflow.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ post-grad nodes each computes, and their pre-grad nodes (`postToPre`). The pre-g
 Dynamo's trace of the exported graph's forward: its nodes carry the exported nodes' names (or, when
 Dynamo renamed one, the exported line in their stack trace), and through them each exported node's
 `nn_module_stack`. What the timed runs execute is the other variant, compiled as the capture
-stage compiled it; this one only runs in the profiled windows (measured: see README).
+stage compiled it; this one only runs in the profiled windows (its overhead: `profile/overhead_ratio`).
 
 A kernel whose nodes come from several modules (Inductor fuses a residual add of one layer with the
 next layer's norm) goes to the module most of its nodes sit in; on a tie, to the module of its last

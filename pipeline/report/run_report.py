@@ -202,7 +202,7 @@ UNITS = (("_tok_s", "tok/s"), ("_requests_s", "requests/s"), ("_gbs", "GB/s"), (
 
 
 def unit_of(metric: str) -> str:
-    """The unit a metric's name ends in (README "Metrics")."""
+    """The unit a metric's name ends in (docs/metrics.md)."""
     return next((unit for suffix, unit in UNITS if metric.endswith(suffix)), "")
 
 
