@@ -3,6 +3,7 @@ ratios with their spread, noisy flags (no timing asserted)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -197,16 +198,39 @@ def test_engine_work_rows():
 
 
 def test_render_of_the_recorded_full_run_shows_every_block(tmp_path):
-    """BENCHMARKS.json, a full run of this machine: every block's section, the notes, the figure."""
+    """BENCHMARKS.json, a full run: every block's section, one line naming the machine, tables and
+    the figure only (no prose beyond each table's method), and the page within 200 lines."""
     results = json.loads((REPO_ROOT / "BENCHMARKS.json").read_text())
-    text = bench.markdown(results["model"], results, None)
+    gpu = json.loads(bench.GPU_RESULTS.read_text())
+    text = bench.markdown(results["model"], results, gpu)
     for section in ("## Pipeline overhead", "## Decode, ", "## Decode per backend", "## Host work per decode step",
-                    "## Prefill", "## Whole run"):  # fmt: skip
+                    "## Prefill", "## Whole run", "# On a GPU"):  # fmt: skip
         assert section in text, section
-    assert "A part of the bench" not in text and bench.NOTES.read_text().strip()[:200] in text
+    machine = [line for line in text.splitlines() if line.startswith("Machine: ")]
+    assert machine and results["machine"]["cpu"] in machine[0] and results["machine"]["torch"] in machine[0]
+    assert "A part of the bench" not in text and "notes.md" not in text
+    assert len(text.splitlines()) <= 200
+    assert text == (REPO_ROOT / "BENCHMARKS.md").read_text(), (
+        "BENCHMARKS.md is not rendered from BENCHMARKS.json"
+    )
     assert bench.plot(results, tmp_path / "full.png") and (tmp_path / "full.png").stat().st_size > 10_000
+
+
+def test_compare_flags_a_moved_ratio_and_not_a_noisy_one():
+    """Two runs of BENCHMARKS.json: the same run holds; one unflagged ratio moved 20 % is MOVED, and
+    the same move in a ratio a run marked NOISY is not."""
+    results = json.loads((REPO_ROOT / "BENCHMARKS.json").read_text())
     lines, moved = compare.compare(results, results, 10.0)
     assert moved == [] and len(lines) > 20
+    later = copy.deepcopy(results)
+    runner = later["decode"][0]["rows"][0]["runners"][1]  # float32 batch 1 demollm
+    runner["vs_reference"]["median"] *= 1.2
+    name = f"{decode.label(later, later['decode'][0])} b1 {runner['runner']} / HF eager"
+    lines, moved = compare.compare(results, later, 10.0)
+    assert moved == [name] and any(name in line and "MOVED" in line for line in lines)
+    runner["noisy_figures"] = [*runner["noisy_figures"], "vs_reference"]
+    lines, moved = compare.compare(results, later, 10.0)
+    assert moved == [] and any(name in line and "NOISY in a run" in line for line in lines)
 
 
 def test_a_part_of_the_bench_is_checked_before_it_runs(tmp_path):
@@ -219,7 +243,7 @@ def test_a_part_of_the_bench_is_checked_before_it_runs(tmp_path):
 
 
 def test_only_benchmarks_md_draws_the_readme_figure(tmp_path):
-    # A full run written to outputs/bench/ for comparison once overwrote the README's figure.
+    # A full run written elsewhere for comparison must leave BENCHMARKS.md's figure alone.
     assert bench.plot_path(None, REPO_ROOT / "BENCHMARKS.md") == bench.DEFAULT_PLOT
     assert bench.plot_path(None, tmp_path / "full.md") == tmp_path / "full.png"
     assert bench.plot_path(tmp_path / "given.png", REPO_ROOT / "BENCHMARKS.md") == tmp_path / "given.png"

@@ -42,9 +42,8 @@ def machine() -> dict[str, str]:
     }
 
 
-# The vector extensions a CPU's kernels choose between: this VM's "AMD EPYC" ran bfloat16 matmul
-# through oneDNN (which needs AVX-512) at 12-18 GB/s on 2026-12-01 and had only avx2 on 2026-12-02
-# 17:00 (ATen's fallback, 0.1 GB/s).
+# The vector extensions a CPU's kernels choose between: CPUs sold under one model name differ in
+# them, and bfloat16 matmul runs through oneDNN only with AVX-512 (else ATen's far slower loops).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
@@ -119,8 +118,6 @@ def gpu_markdown(gpu: dict) -> list[str]:
     ]
     for result in gpu["backends"]:
         lines += ["", *decode.backends_markdown(result, GPU_TARGET)]
-    if gpu.get("notes"):  # what was learned from that run, written beside its numbers
-        lines += ["", *[f"- {note}" for note in gpu["notes"]]]
     return lines
 
 
@@ -149,7 +146,7 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
             f"| load, random init ({load['params']:,} params) | {rounds.shown(load['ours_s'], 1, ' s')} | {hf} | "
             f"< {load['target_s']:.0f} s | {ratio} |"
         )
-        if "ours_touched_s" in load:  # since 2026-12-04: both loads again on memory touched first
+        if "ours_touched_s" in load:  # both loads again on memory touched first (older records lack it)
             touched = load.get("speedup_touched")
             hf_touched = (
                 _spread_or_value(load["hf_init_touched_s"], 1, " s") if "hf_init_touched_s" in load else "-"
@@ -182,8 +179,8 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
             + (
                 " Each round also loads both in two more fresh processes that first allocate and zero "
                 f"{TOUCH_HEADROOM:g} times the model's bytes in one block and free it into a heap that keeps "
-                "it: the touch every load pays for its memory, which moves by itself on this virtual machine "
-                "(2.1 to 13.0 s for the model's bytes within three hours), timed apart from the init work, "
+                "it: the touch every load pays for its memory, which can move by itself on a virtual machine, "
+                "timed apart from the init work, "
                 f"whose ratio is the second row's; a touched load that faulted in more than {SPILL_FRACTION:.0%} "
                 "of the model's bytes landed off the block, and its round has no such ratio "
                 "(pipeline/bench/load.py)."
@@ -198,7 +195,7 @@ def _overhead_markdown(model: str, results: dict) -> list[str]:
 
 def markdown(model: str, results: dict, gpu: dict | None) -> str:
     """BENCHMARKS.md from a run's results; a block `--rows` left out is left out here too."""
-    partial = is_part(results.get("rows", ROWS))  # notes, TP and GPU rows left out below
+    partial = is_part(results.get("rows", ROWS))  # TP and GPU rows left out below
     lines = [
         "# Benchmarks",
         "",
@@ -232,8 +229,6 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         lines += ["", f"![benchmarks]({results['plot']})"]
     if tensor_parallel.RESULTS.exists() and not partial:  # `make bench-tp`, a run of its own
         lines += ["", tensor_parallel.markdown(json.loads(tensor_parallel.RESULTS.read_text())).strip()]
-    if NOTES.exists() and not partial:  # the analysis of these rows: what was fixed, what limits the rest
-        lines += ["", NOTES.read_text().strip()]
     if gpu and not partial:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
@@ -251,7 +246,6 @@ def _spread_or_value(value, digits: int, unit: str) -> str:
 
 
 GPU_RESULTS = REPO_ROOT / "BENCHMARKS.gpu.json"
-NOTES = Path(__file__).with_name("notes.md")
 DEFAULT_OUTPUT = REPO_ROOT / "BENCHMARKS.md"
 DEFAULT_PLOT = REPO_ROOT / "outputs" / "readme" / "benchmarks.png"
 
@@ -336,8 +330,8 @@ def plot_link(drawn: Path, output: Path) -> str:
 
 
 def plot_path(given: Path | None, output: Path) -> Path:
-    """--plot, else the README's figure for BENCHMARKS.md and FILE.png beside any other FILE.md: a run
-    kept aside for comparison leaves the README's figure alone."""
+    """--plot, else BENCHMARKS.md's figure for BENCHMARKS.md and FILE.png beside any other FILE.md: a
+    run kept aside for comparison leaves BENCHMARKS.md's figure alone."""
     return given or (
         DEFAULT_PLOT if output.resolve() == DEFAULT_OUTPUT.resolve() else output.with_suffix(".png")
     )
@@ -383,10 +377,10 @@ def main() -> None:
         default="llama4_scout",
         help="mixture-of-experts decode rows in bfloat16, routed experts against all ('' for none)",
     )
-    # Hugging Face's Llama-4 prefill runs all 16 experts on every token: about 7 s for 128 tokens here
+    # Hugging Face's Llama-4 prefill runs all 16 experts on every token: seconds for 128 tokens
     parser.add_argument("--moe-prompt-len", type=int, default=16)
-    # Batch 4 of llama4_scout (15.3 GB of bfloat16 weights) ran out of memory here until Hugging
-    # Face's prefill stopped copying its lm_head per sequence (decode._hf_sample, logits_to_keep).
+    # Batch 4 of llama4_scout (15.3 GB of bfloat16 weights) fits 24 GiB only because Hugging Face's
+    # prefill does not copy its lm_head per sequence (decode._hf_sample, logits_to_keep).
     parser.add_argument("--moe-batches", default="1,4")
     parser.add_argument(
         "--device",
@@ -406,7 +400,7 @@ def main() -> None:
     parser.add_argument(
         "--render",
         action="store_true",
-        help="measure nothing: write the markdown and the plot again from the output's .json (after editing notes.md)",
+        help="measure nothing: write the markdown and the plot again from the output's .json",
     )
     parser.add_argument(
         "--plot",

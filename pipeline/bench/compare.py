@@ -28,7 +28,7 @@ def figures(results: dict) -> Iterator[Figure]:
     if isinstance(speedup, dict):  # per round since the load row took turns with Hugging Face's init
         yield "load: HF init / ours", "ratio", speedup["median"], rounds.is_noisy(speedup)
     touched = results.get("load", {}).get("speedup_touched")
-    if touched is not None:  # since 2026-12-04: both loads on memory touched first
+    if touched is not None:  # both loads on memory touched first (older records lack it)
         yield "load: HF init / ours, touched memory", "ratio", touched["median"], rounds.is_noisy(touched)
     for decode in results.get("decode", []):
         for row in decode["rows"]:

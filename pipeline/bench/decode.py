@@ -57,14 +57,10 @@ def bench_decode(
     processes: int = 0,
 ) -> dict:
     """The decode rows (measure_decode): `repeats` rounds in each of `processes` fresh processes,
-    pooled, or with processes=0 in this one. A process's own state moves some runners' times by
-    more than a round's noise: on 2026-12-02 Hugging Face eager's float32 batch-4 step (MKL's
-    GEMM) measured 2497 ms (p10-p90 2378-2545) in one run and 3014 in the next, while demollm's in
-    the same rounds went 816 -> 771, and the 1 GiB reduction read 23.1 GB/s in one process and
-    24.7 in the next while the GEMV pass held 23.1/23.0. A row measured in one process carries
-    that process's draw in its median; rounds from several carry a spread of them. Each process
-    also leaves the float32 model's memory behind: one process's decode rows of both dtypes held
-    21 GB resident in the bfloat16 rows and ran out of memory here."""
+    pooled, or with processes=0 in this one. A process's own state can move a runner's time by more
+    than a round's noise (MKL's float32 GEMM drew a speed per process), so a row measured in one
+    process carries that process's draw in its median, and rounds from several carry a spread of
+    them. A fresh process per part also gives the previous dtype's model memory back."""
     args = (name, batches, prompt_len, steps, repeats, dtype)
     measured = (
         [in_child(measure_decode, *args) for _ in range(processes)] if processes else [measure_decode(*args)]
@@ -185,20 +181,14 @@ def summarize(
 def moe_rows_unaffordable(dtype: torch.dtype) -> str:
     """Why the bfloat16 MoE decode rows (llama4_scout) cannot run on this machine, or ''.
 
-    Without oneDNN's bf16 matmul (a CPU without AVX-512: PyTorch falls back to ATen's loops), one
-    Llama-4 expert's [1, 5120] x [5120, 16384] matmul took 1.9 s and its down projection 0.8 s
-    (2026-12-02). Hugging Face's form runs all 16 experts of each layer: about 86 s a decode step
-    of the bench's two-layer llama4_scout, some 100 of them for the rows; and the eager reference
-    of the pipeline's correctness check, a prefill of the image prompt, had not finished after 21
-    minutes on one core."""
+    Without oneDNN's bf16 matmul (a CPU without AVX-512), PyTorch falls back to ATen's loops, and
+    Hugging Face's form runs all 16 experts of each layer through them: each decode step takes over
+    a minute, so the rows would take hours."""
     if dtype != torch.bfloat16 or cpu_gemv.onednn_bf16():
         return ""
     return (
-        "not measured: this CPU has no oneDNN bfloat16 matmul (no AVX-512), and ATen's fallback took "
-        "1.9 s for one Llama-4 expert's [1, 5120] x [5120, 16384] matmul and 0.8 s for its down "
-        "projection; Hugging Face's form runs all 16 experts of a layer, about 86 s a decode step of "
-        "the two-layer model, and the correctness check's eager prefill of the image prompt had not "
-        "finished after 21 minutes"
+        "not measured: this CPU has no oneDNN bfloat16 matmul (no AVX-512), so Hugging Face's all-experts "
+        "form runs every expert of a layer through ATen's bfloat16 loops, over a minute a decode step"
     )
 
 
@@ -245,7 +235,7 @@ class _HFCompiled:
     one sample at a time so that the same model also serves the eager rows. On a GPU, generate
     compiles the forward itself once the cache is static (mode reduce-overhead: CUDA graphs, with the
     output handling that mode needs; compiling the forward here as well nested two compilations and
-    failed on an H200 with an output overwritten by a later replay); on CPU it does not, so the
+    failed on a GPU with an output overwritten by a later replay); on CPU it does not, so the
     forward is compiled here."""
 
     def __init__(self, model, device: torch.device):
@@ -478,7 +468,7 @@ def _rounds_text(result: dict) -> str:
         return f"{result['rounds']} rounds after a warm-up round"
     return (
         f"{result['rounds']} rounds, {result['rounds'] // processes} in each of {processes} fresh processes "
-        f"after a warm-up round of its own, pooled (a process's own state sets some runners' speed: notes.md)"
+        f"after a warm-up round of its own, pooled (a process's own state can set a runner's speed)"
     )
 
 

@@ -15,11 +15,11 @@ from pipeline.runtime.machine_load import read_gbs
 class ReadLimit:
     """A large float32 buffer read plainly (the faster of a reduction and a one-row GEMV over it,
     machine_load.read_gbs): bytes read / median time over `repeats` reads of each (about 1.4 s, as
-    long as a decode sample: the best of three short reads picked this machine's fast phases, which
-    the samples beside it did not see). The buffer is allocated once, before any
-    model is loaded (a buffer allocated into freshly freed memory read 4x lower here), and re-read
-    whenever a round asks: the limit drifts 45-80 GB/s within half an hour on this machine, so it
-    is measured beside the samples it divides."""
+    long as a decode sample: the best of three short reads picked a shared machine's fast phases,
+    which the samples beside it did not see). The buffer is allocated once, before any model is
+    loaded (a buffer allocated into freshly freed memory read several times lower), and re-read
+    whenever a round asks: the limit drifts by tens of percent within an hour, so it is measured
+    beside the samples it divides."""
 
     def __init__(self, gib: float = 1.0, device: torch.device | None = None, repeats: int = 15):
         self.device = device or torch.device("cpu")
@@ -33,7 +33,7 @@ class ReadLimit:
 
 def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
     """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / median time, the faster of ATen's matmul
-    and, on CPU, oneDNN's inner product (the kernel onednn_linear runs; twice MKL's matmul here):
+    and, on CPU, oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul):
     the limit is the best GEMM the machine's libraries do, not the default one."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
@@ -70,8 +70,8 @@ def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class WeightPass:
     """Every weight a step reads, multiplied by a [batch, K] input with demollm's kernel, back to
     back: the limit a step of these weights meets when nothing but its linears runs. A step follows
-    the linears it is made of more closely than a reduction or one GEMM does (pipeline/bench/
-    notes.md, "Noise").
+    the linears it is made of more closely than a reduction or one GEMM does: the reduction's rate
+    moved by up to 30 % within seconds where a step's GEMVs did not follow it.
 
     Decode (batch = the batch): weight bytes / median time over `repeats` passes (as many as a
     decode sample has steps, so that the pass sees the machine's fast and slow phases as a sample

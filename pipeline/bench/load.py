@@ -2,36 +2,26 @@
 Face's own init of the same class, each sample the first load of a fresh process, as
 `python -m pipeline` loads once per run.
 
-Why fresh processes: measured in one process, three rounds after a warm-up, the ratio held within
-each run (p10-p90 3.43-3.68) and moved between runs an hour apart (3.50 -> 3.13 on 2026-12-03,
-2.77 -> 2.24 and 2.98 -> 2.53 before): Hugging Face's init went 45.3 -> 38.7 s while ours held
-12.7 -> 12.4 s, so each run's single process drew one speed for the whole row. And a repeated load
-in one process is not what a run does: the first load of a process (its memory touched for the
-first time) took 14.7-15.9 s here where the repeats in one process took 12.4-12.7 s.
+Why fresh processes: a repeated load in one process is not what a run does (the first load of a
+process touches its memory for the first time), and a single process drew one speed for the whole
+row, so the ratio held within a run and moved between runs.
 
 Why loads on touched memory beside them: every load pays for its memory's first touch (page
-faults, and on this virtual machine the host backing the pages), and that cost moves by itself: the
-same 11.6 GB took 5.7, 13.0 and 2.1 s to allocate and zero in three runs on 2026-12-03 (20:55,
-21:55, 23:55), and the ratio of the fresh loads moved with it, 3.21, 2.92, 3.65, since ours is
-mostly touch and Hugging Face's mostly single-threaded init. (The guest reports every freed 2 MiB
-block to the host at once, /sys/module/page_reporting/parameters: min_free_ms 0, so a page touched
-again is faulted in by the host too, at the host's speed.) A touch in a process of its own,
-subtracted from both, moved as much (5.0, 6.1, 4.9): a difference of samples from different
-processes. So two more fresh processes each round first allocate and zero a block of glibc's heap
-and free it, the heap kept whole (host_memory.keep_all_freed_memory), and then load: the
-parameters land on pages already faulted in, and the ratio of those two loads is the init work's
-alone, measured in one process each, with the touch timed in the same process.
+faults, and on a virtual machine the host backing the pages), and that cost moves by itself; ours
+is mostly touch and Hugging Face's mostly single-threaded init, so the fresh loads' ratio moved
+with it. A touch timed in a process of its own and subtracted from both moved as much. So two more
+fresh processes each round first allocate and zero a block of glibc's heap and free it, the heap
+kept whole (host_memory.keep_all_freed_memory), and then load: the parameters land on pages
+already faulted in, and the ratio of those two loads is the init work's alone, with the touch
+timed in the same process.
 
-Why the block is half again the model's bytes: both builds allocate every parameter once on the
-CPU before moving it to meta (nn.Linear's torch.empty, then register_parameter; Hugging Face's
-own meta init does the same), and with mmap turned off those transient blocks come from the kept
-heap, between small live allocations. The heap is left in pieces: with a block of the model's
-bytes plus 0.26 GB, ours put 4.0 of 11.6 GB (a layer's MLP and the lm_head) past it in most
-processes, on fresh pages, and took 18-37 s against 5.3 s (2026-12-04). With half again, three of
-three landed whole, and so did all 20 touched loads of the two bench runs after (at most 381
-faults). Each touched load counts its page faults, and a round where either faulted in more than
-SPILL_FRACTION of the model's bytes (beside a fixed allowance for the process's own small
-allocations) has no touched ratio: such rounds are counted, not used."""
+Why the block is TOUCH_HEADROOM times the model's bytes: both builds allocate every parameter once
+on the CPU before moving it to meta, and with mmap turned off those transient blocks come from the
+kept heap, between small live allocations, which leaves it in pieces; with a block of just the
+model's bytes, part of the model landed past it on fresh pages. Each touched load counts its page
+faults, and a round where either faulted in more than SPILL_FRACTION of the model's bytes (beside a
+fixed allowance for the process's own small allocations) has no touched ratio: such rounds are
+counted, not used."""
 
 from __future__ import annotations
 
@@ -63,8 +53,8 @@ OURS_TOUCHED, HF_INIT_TOUCHED = "ours, touched memory", "HF init, touched memory
 
 def bench_load(name: str, repeats: int, reference: bool) -> dict:
     """`repeats` rounds, each our load and (when `reference`) Hugging Face's init, each in a fresh
-    process, then both again on memory touched first (about 10, 30 and 5 + 15, 20 + 15 s on mistral3
-    here, plus a few seconds to start a process); the speed-ups taken within each round, where the
+    process, then both again on memory touched first (tens of seconds each on mistral3, plus a few
+    seconds to start a process); the speed-ups taken within each round, where the
     machine's drift is shared. No warm-up round: the first load of a process is the measurement."""
     params: dict[str, int] = {}
     faults: dict[str, list[int]] = {OURS_TOUCHED: [], HF_INIT_TOUCHED: []}

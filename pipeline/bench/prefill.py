@@ -2,8 +2,8 @@
 model's own shapes measured in the same run, and as time against the pass of its own linears.
 
 Why both limits: one GEMM at the MLP's shape is the machine's best rate, the prefill's target; but
-on the AMX Xeon host a 128-token prefill drifted from 88 to 60 % of it within an afternoon while
-the GEMM held 0.26-0.27 TFLOP/s, so the prefill follows something one large GEMM does not see. The
+a prefill's percent of it drifted by a third within hours while the GEMM held, so the prefill
+follows something one large GEMM does not see. The
 pass (limits.WeightPass at [tokens, K] over every decoder weight and at [1, K] over the lm_head,
 demollm's kernel, the shapes the prefill runs) is measured beside it: the prefill's share of time
 in its own linears."""
@@ -69,7 +69,7 @@ def _rows(state, token_counts: list[int], repeats: int) -> list[dict]:
             )
 
         # the decoder's linears on every token, the lm_head on the last one (a GEMV over its
-        # 2.7 GB in mistral3's float32: 86 ms of a 1.1 s prefill of 128 tokens here)
+        # 2.7 GB in mistral3's float32: under a tenth of a 128-token prefill)
         passes = [WeightPass(decoder, tokens, repeats=1), WeightPass(head, 1, repeats=1)]
 
         def linears(passes=passes) -> float:
@@ -96,7 +96,7 @@ def _rows(state, token_counts: list[int], repeats: int) -> list[dict]:
 
 
 def markdown(result: dict) -> list[str]:
-    with_pass = all("pct_of_pass" in r for r in result["rows"])  # runs before 2026-12-03 had no pass
+    with_pass = all("pct_of_pass" in r for r in result["rows"])  # older records have no pass
     lines = [
         f"## Prefill, `model={result['model']}` (float32, CPU, batch 1, demollm torch-simple)",
         "",

@@ -1,12 +1,12 @@
 """Rounds: every runner that is compared with another, and the machine's limit, take turns.
 
-On this machine both sides of a ratio drift: the same demollm float32 decode step measured 135 to
-272 ms in one day, and a large read 45 to 80 GB/s within half an hour. So a round measures the
+On a shared machine both sides of a ratio drift, by more than any difference worth measuring: the
+same decode step and the same large read move by tens of percent within an hour. So a round measures the
 limit, then one sample of every runner, then the limit again (the round's limit is the mean of the
 two); a ratio (runner / reference, runner / limit) is taken within each round, where the drift is
 shared, and a row reports the median of those per-round ratios with their p10-p90 spread. Round 0
 warms up (and compiles) and is dropped. A limit is measured like the samples it divides: a median
-over as many repeats as a sample has steps, not the best of a few (notes.md, "Noise").
+over as many repeats as a sample has steps, not the best of a few.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pipeline.runtime.machine_load import quantile
 
 # A row whose per-round ratio spreads wider than this (p90 / p10) is marked noisy, not a result.
-# Measured here (pipeline/bench/notes.md, "Noise"; small_mistral, 7 rounds): quiet, the ratios to
-# HF eager spread 1.04-1.11x; with one or two busy processes beside the bench, 1.27-4.1x.
+# Set from rounds of small_mistral with and without busy processes beside the bench: quiet rounds'
+# ratios spread below it, disturbed ones above it.
 NOISY_SPREAD = 1.2
 
 Sample = tuple[float, float]  # (decode step s, prefill s)

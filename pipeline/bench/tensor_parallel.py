@@ -216,7 +216,7 @@ def markdown(result: dict) -> str:
         "summed); % of read limit: the weights all ranks read per step over the median step, against it. "
         "Peak memory: a rank's peak resident set, less its read buffer."
         + (
-            " Not run on GPUs: no multi-GPU machine was lent (`--device cuda --worlds 1,2,4,8` there)."
+            " GPU worlds: `--device cuda --worlds 1,2,4,8` on a machine with that many GPUs."
             if result["device"] == "cpu"
             else ""
         ),
@@ -233,7 +233,7 @@ def markdown(result: dict) -> str:
             continue
         step, ranks = block["step_ms"], block["ranks"]
         noisy = " NOISY" if rounds.is_noisy(step) else ""
-        # pre-2026-12-04 records have no read limit
+        # older records have no read limit
         read = f"{block['read_gbs']:.1f} | {block['read_pct']:.0f} %" if "read_gbs" in block else "- | -"
         ratio = f"{step['median'] / statistics.mean(world_1):.2f}" if world_1 else "-"
         lines.append(
