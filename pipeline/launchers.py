@@ -20,8 +20,8 @@ from pipeline.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Python, torch, transformers, MLflow and the profiler beside the weights: a tiny model's CPU run
-# peaked at 0.9 GB resident here (/usr/bin/time, 2026-12-01); a CUDA process's context and kernel
-# images add a few GB more
+# peaks under 1 GB resident (/usr/bin/time); a CUDA process's context and kernel images add a few
+# GB more
 PROCESS_GB = 4
 SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
 CLUSTER_LAUNCHERS = (*SLURM_LAUNCHERS, "ray_cluster")  # jobs on other machines: the store must be shared

@@ -277,9 +277,8 @@ def _expert_gemv(h: Tensor, weight: Tensor, transposed: bool) -> Tensor:
     layout (Mixtral, Qwen3-MoE) on CPU runs pipeline::onednn_linear in float32 (F.linear's MKL GEMM
     reads it at a third of the bandwidth on some hosts) and pipeline::bf16_linear in bfloat16 (the
     GEMV kernel); Llama-4's [K, N] experts in bfloat16 take the kernel's [K, N] GEMV where PyTorch
-    has no oneDNN bf16 matmul (ATen's fallback read them at 0.09 GB/s on an AVX2-only host, the
-    kernel 21: too slow even to time), and where it has, whichever of the two was timed faster for
-    the shape (linear_choice.py; on the AMX Xeon the kernel read 20-36 GB/s, the matmul 9-11)."""
+    has no oneDNN bf16 matmul (ATen's fallback reads them so slowly that it is not even timed), and
+    where it has, whichever of the two was timed faster for the shape (linear_choice.py)."""
     on_cpu = h.device.type == "cpu" and h.dtype == weight.dtype
     if on_cpu and transposed and cpu_gemv.applies(h, weight):
         if not cpu_gemv.onednn_bf16():

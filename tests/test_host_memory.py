@@ -21,7 +21,7 @@ from pipeline.runtime.host_memory import give_back_freed_memory, retain_freed_me
 # and allocated again is no test of it: each of its TensorImpls, allocated above the data and kept
 # in glibc's tcache when freed, fences the freed block off the heap's top, and posix_memalign's
 # 64-byte alignment asks for a little more than the block holds, so the same tensor landed on fresh
-# pages for up to 9 times in a row (2026-12-04); a step's several activations free neighbours that
+# pages for up to 9 times in a row; a step's several activations free neighbours that
 # merge after a few steps, as a model's steps do.
 FAULTS_OF_STEPS = textwrap.dedent(
     """

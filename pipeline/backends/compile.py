@@ -9,13 +9,12 @@ their aten definitions, so they fuse with their neighbours (the q/k split before
 add before a norm where fuse_add_rmsnorm is off) instead of running as opaque calls; attention and
 linear stay library kernels. Eager and torch-simple runs keep the ops as they are.
 
-pipeline::moe stays an opaque call (its routed implementation). Measured under torch-compile
-(2026-12-01, one decode token) against a decomposition into torch ops that gathers each
-token-expert pair's weights into one batched GEMV: for 8 float32 experts of 9.4 MB (small_mixtral)
-the gathered form was faster (0.52 vs 0.71 ms a layer; the step 4.1 vs 5.3 ms), for Llama-4
-Scout's 16 bfloat16 experts of 252 MB slower (25.5 vs 20.2 ms: copying a large expert costs more
-than the host-side grouping), and an all-experts decomposition took 14.0 ms a step on
-small_mixtral where the opaque op then took 6.3 (before its experts ran oneDNN). Choosing per call is not possible: a decomposition that declines (NotImplemented)
+pipeline::moe stays an opaque call (its routed implementation). Measured under torch-compile at
+one decode token against a decomposition into torch ops that gathers each token-expert pair's
+weights into one batched GEMV: for small experts (small_mixtral) the gathered form was faster, for
+Llama-4 Scout's large bfloat16 experts slower (copying a large expert costs more than the
+host-side grouping), and an all-experts decomposition was about twice the opaque op's step on
+small_mixtral. Choosing per call is not possible: a decomposition that declines (NotImplemented)
 for large experts or prefill leaves Inductor a fallback for the op, and Inductor then refuses the
 decomposition in the next graph of the process ("both a fallback and a decomp for same op"). So
 the op stays opaque, the better choice for the large experts.

@@ -8,15 +8,11 @@
 //
 // Two instruction sets, chosen when kernels/cpu_gemv.py builds this file for the CPU it runs on:
 // - AVX-512 BF16 (__AVX512BF16__), [N, K], rows of x 4 at a time: vdpbf16ps, 32 bf16 products
-//   summed pairwise into 16 float32 lanes. Measured on such a host (2026-12-01, [57344, 5120] and
-//   [131072, 5120]): 33-36 GB/s at one row where oneDNN's bf16 matmul (F.linear) read 29-31; on
-//   another (a Xeon with AMX, 2026-12-03, [32768, 5120], [5120, 16384], [131072, 5120]): 28-31
-//   GB/s at one row, 26-30 at two, 23-28 at four (28-30 with the prefetch of kPrefetch), where
-//   F.linear read 15-23 at every count.
+//   summed pairwise into 16 float32 lanes; faster than oneDNN's bf16 matmul (F.linear) at 1-4
+//   rows on the hosts it was measured on (BENCHMARKS.md, decode in bfloat16).
 // - AVX2 + FMA, everything else: a bf16 is the high half of a float32 (split16 below), then FMA.
-//   On an AVX2-only host PyTorch's bf16 matmul falls back to ATen's own loops (no oneDNN bf16):
-//   11 GB/s at one row and 3 GB/s at four where a float32 reduction reads 22 (2026-12-02);
-//   kernels/cpu_gemv.py has this kernel's numbers.
+//   On an AVX2-only host PyTorch's bf16 matmul falls back to ATen's own loops (no oneDNN bf16),
+//   several times slower than the memory reads (kernels/cpu_gemv.py).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -114,9 +110,8 @@ void nk_avx2(const float* xf, const bf16* w, float* y, int64_t K, int64_t N) {
 
 #if defined(__AVX512BF16__)
 // How far ahead each weight row is prefetched, in 64-byte steps. The hardware prefetcher alone kept
-// six rows' streams behind at four rows of x: on the AMX Xeon (2026-12-03, mistral3's shapes)
-// 24-25 GB/s without, 28-30 with 16 steps (1 KiB) ahead, 28-29 with 8; at one row 28 -> 29-30
-// with 8.
+// six rows' streams behind at four rows of x: at mistral3's shapes 16 steps (1 KiB) ahead read
+// about a sixth faster than none at four rows, 8 steps a little faster at one row.
 template <int B>
 constexpr int64_t kPrefetch = B <= 2 ? 8 : 16;
 
@@ -166,7 +161,7 @@ template <int B>
 void nk_dpbf16(const bf16* x, const bf16* w, bf16* y, int64_t K, int64_t N) {
   // 8 weight loads in flight per 64-byte step at one or two rows; at three or four, 6 weight rows
   // keep R * B accumulators + B rows of x + a weight within the 32 zmm registers (4 read 4-10 %
-  // slower at four rows, 2026-12-03)
+  // slower at four rows)
   constexpr int R = B <= 2 ? 8 : 6;
   const int64_t full = K / 32 * 32;
   const __mmask32 tail = K == full ? 0 : ((__mmask32)1 << (K - full)) - 1;

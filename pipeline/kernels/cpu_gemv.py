@@ -2,31 +2,23 @@
 cached.
 
 Why: a decode step's linears read each weight once for a few rows of x, so they run at the rate a
-weight streams from memory, and PyTorch's bfloat16 matmul is far from it on this machine's CPUs:
-- on a host with AVX512-BF16 (2026-12-01), oneDNN's bf16 matmul read decode-size weights at
-  26-33 GB/s where a float32 reduction read 40-80; the kernel's vdpbf16ps path streamed one row at
-  33-36 GB/s, and 2-4 rows (then through the AVX2 path) read 21-28 GB/s against oneDNN's 29-32;
-  on an AMX Xeon (2026-12-03; a reduction read 30) the vdpbf16ps path, now taking 1-4 rows, read
-  28-31 GB/s at one row and 23-28 at four where oneDNN read 15-23, and lost at eight (two passes
-  of four: 11-13);
-- on an AVX2-only host (the same VM on 2026-12-02, a Zen 1 EPYC: no AVX-512, no oneDNN bf16),
-  F.linear falls back to ATen's loops: 11 GB/s at one row and 2.9 GB/s at four ([16384, 5120],
-  [5120, 8192], [32768, 5120]) where a float32 reduction reads 21-22 and oneDNN's float32 GEMV
-  24-26. The kernel's AVX2 path reads 20.9-21.4 GB/s at one row (the reduction's rate), 15-17 at
-  two, 9.7-9.9 at four (near the FMA units' limit: oneDNN's float32 GEMV reads 8.5 at four rows),
-  and stays 3x faster than F.linear up to 128 rows ([5120, 5120]: 184 ms against 584). Yet only
-  decode-size calls (up to linear_choice.DECODE_ROWS rows) take it: with prefills through it
-  as well, mistral3's bfloat16 image call moved by 0.31 in the logits from the eager model's
-  (the correctness check's tolerance 0.16; the kernel and F.linear are equally close to a float64
-  product, one rounding each, so it is the summation order compounding through the model), and a
-  run that fails its check measures nothing.
+weight streams from memory, and PyTorch's bfloat16 matmul can be far from it:
+- with AVX512-BF16, oneDNN's bf16 matmul reads decode-size weights well below a float32
+  reduction's rate; the kernel's vdpbf16ps path takes 1-4 rows of x a pass and streams near it;
+- on an AVX2-only CPU (no oneDNN bf16) F.linear falls back to ATen's loops, several times slower
+  than the read bandwidth; the kernel's AVX2 path reads one row at the reduction's rate and stays
+  faster than F.linear up to a hundred rows or more. Yet only decode-size calls (up to
+  linear_choice.DECODE_ROWS rows) take it: with prefills through it as well, mistral3's bfloat16
+  image call moved past the correctness check's tolerance (the kernel and F.linear are equally
+  close to a float64 product, one rounding each, so it is the summation order compounding through
+  the model), and a run that fails its check measures nothing.
 So which of the kernel and F.linear runs a decode-size call is timed per shape on the host itself
-(pipeline::bf16_linear through linear_choice.py), not written down from one of these hosts.
-Llama-4 stores its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its
-own rows of W into float32 partial sums): 20.7-21.7 GB/s at one row, 10.2-10.5 at four, where
-ATen's bf16 matmul took 1.9 s for one [5120, 16384] expert (0.09 GB/s) on the AVX2 host.
-Built by torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension cache: about
-40 s the first time on this machine, then loaded.
+(pipeline::bf16_linear through linear_choice.py), not written down from one host. Llama-4 stores
+its experts [K, N] (x @ W); `gemv_kn` streams them in that layout (each thread its own rows of W
+into float32 partial sums), where ATen's bf16 matmul on an AVX2-only CPU reads well under 1 GB/s.
+The figures are in BENCHMARKS.md (decode in bfloat16).
+Built by torch.utils.cpp_extension (a C++ compiler and ninja) into torch's extension cache: tens of
+seconds the first time, then loaded.
 """
 
 from __future__ import annotations

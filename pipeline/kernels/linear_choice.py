@@ -3,15 +3,13 @@ the first time a shape comes on this host, the winner kept for every later call 
 
 Why: which kernel reads a weight fastest at one to a few rows depends on the host, by more than a
 rule written on one host holds on the next:
-- float32 on the Zen 1 host (AVX2, 2026-12-02/03): oneDNN's inner product made demollm's mistral3
-  decode 0.73-0.78x Hugging Face eager, whose F.linear runs MKL's GEMM. On the AMX Xeon of
-  2026-12-03, MKL's F.linear read [N, 5120] float32 weights at 30-54 GB/s at one and two rows
-  against oneDNN's 22-48, and oneDNN won at four rows of the large ones (20.7 against 14.9 GB/s):
-  demollm with oneDNN on every linear stepped 1.15x Hugging Face's time at batch 1, 0.71x at 4.
+- float32: oneDNN's inner product beat MKL's F.linear at every decode size on some hosts; on
+  others MKL read the same weights faster at one and two rows and oneDNN won at four, so oneDNN on
+  every linear made a batch-1 decode step slower than Hugging Face's.
 - bfloat16: the GEMV kernel (cpu_gemv.py) against oneDNN's bf16 matmul (F.linear) wins or loses
   by rows and shape, and F.linear is ATen's own loops where PyTorch has no oneDNN bf16; Llama-4's
-  [K, N] experts: the kernel's [K, N] GEMV lost to oneDNN's matmul on the first AVX-512 host and
-  read 20-36 GB/s against its 9-11 on the AMX Xeon (ops._expert_gemv).
+  [K, N] experts: the kernel's [K, N] GEMV lost to oneDNN's matmul on one AVX-512 host and beat
+  it by 2-3x on another (ops._expert_gemv).
 Only calls of at most DECODE_ROWS rows are timed: they read the weight once and are bound by how
 fast it streams, the quantity that differs between kernels and hosts. A prefill's GEMM keeps the
 transform's kernel (every new prompt length would cost a timing of its own, each a second or more
@@ -20,7 +18,7 @@ of GEMM at mistral3's widths).
 The choices are kept on disk per host (CPU model and flags, torch version, threads), in
 $PIPELINE_KERNEL_CACHE or ~/.cache/pipeline, and every later process on the host reads them: two
 kernels sum in different orders, and a choice timed anew in each process made the bench's three
-processes of llama4_scout route different experts from the same random weights (2026-12-03).
+processes of llama4_scout route different experts from the same random weights.
 Delete the file to time them again.
 """
 

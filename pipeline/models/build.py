@@ -1,8 +1,8 @@
 """Build a Hugging Face model fast with random weights: parameters on the meta device, then filled
 directly (checkpoints load in checkpoint.py).
 
-Hugging Face's own random init runs every module's initializer on real memory (about 50 s for the
-default mistral3 configuration here). Building with parameters on meta skips that; buffers stay
+Hugging Face's own random init runs every module's initializer on real memory (BENCHMARKS.md, "load":
+several times our load for the default mistral3 configuration). Building with parameters on meta skips that; buffers stay
 real so the rotary `inv_freq` tables are computed as usual. Then every parameter is allocated once
 at the target dtype and device and filled in parallel chunks, each from a generator seeded by
 (seed, parameter index, chunk index): the same seed gives the same weights on any thread count.
@@ -58,7 +58,7 @@ def _fill_uniform(flat: torch.Tensor, bound: float, seed: int, pool: ThreadPoolE
 def _fill(kind: str, tensor: torch.Tensor, bound: float, seed: int, pool: ThreadPoolExecutor) -> None:
     # Norm scales at one and biases at zero keep activations at a sane scale through the layers;
     # everything else (linears, embeddings, experts, convs) is uniform with the config's
-    # initializer_range as standard deviation: uniform_ runs about 3x faster than normal_ here, and
+    # initializer_range as standard deviation: uniform_ runs several times faster than normal_, and
     # a uniform init is what PyTorch itself uses for nn.Linear.
     if kind == "bias":
         tensor.zero_()
@@ -144,7 +144,7 @@ def materialize_random(
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    # Only worth a bar when the fill takes seconds (100 M parameters: about half a second here).
+    # Only worth a bar when the fill takes seconds (100 M parameters: under a second).
     return tqdm(
         total=total,
         unit="param",

@@ -4,10 +4,9 @@ activations every time.
 glibc serves an allocation above its mmap threshold (at most 32 MiB) with a fresh mmap and returns
 it to the kernel when freed, so every large activation of a CPU step starts as untouched pages: a
 1024-token prefill of mistral3 (an MLP activation is [1024, 32768] float32, 128 MiB) faulted in
-about 1.3 GB per call. On this virtual machine a fault can cost tens of microseconds, when the host
-has taken the page back: `silu` over that activation took 1.07 s in the prefill against 13 ms on
-pages already touched, and the prefill 8.5-8.9 s against 7.3-7.5 s with its memory kept
-(2026-12-03, AMX Xeon host). `mallopt(M_MMAP_MAX, 0)` serves large allocations from the heap and
+about 1.3 GB per call. On a virtual machine a fault can cost tens of microseconds, when the host
+has taken the page back: an elementwise op over such an activation then took many times its time
+on pages already touched, and the whole prefill measurably longer. `mallopt(M_MMAP_MAX, 0)` serves large allocations from the heap and
 a high `M_TRIM_THRESHOLD` keeps the freed heap, so the next step's activations land on touched pages.
 
 Process-wide until given back: memory freed meanwhile is kept for the process's later allocations
@@ -15,8 +14,8 @@ Process-wide until given back: memory freed meanwhile is kept for the process's 
 where a run starts to generate (weights, allocated before, keep their own mappings and are given
 back when freed), and `runtime.retain_host_memory=false` leaves glibc's default. A sweep runs its
 jobs in one process: a job's weights allocated while the setting held would come from the heap,
-and freed there (not at its top) they would stay in the process, so the next job's memory check
-found 13.7 of 23 GB free (a five-model sweep, 2026-12-04). `give_back_freed_memory`, called
+and freed there (not at its top) they would stay in the process, so a later job's memory check
+found too little free memory to load its model. `give_back_freed_memory`, called
 between a sweep's jobs (pipeline/__main__.py), returns glibc to its defaults and the heap's free
 pages to the system.
 """

@@ -2,10 +2,10 @@
 trustworthy.
 
 Other processes' CPU time during the block (system-wide busy CPU time less this process's own)
-divided by the wall time: the mean number of cores others kept busy. On this 2-core machine, with
-two other busy processes, a tiny model's decode step went from 1.2 ms to 104 ms (the scheduler's
-time slice) at a spread of 1.00: the load is measured, not inferred from the spread. The
-thresholds come from the runs in README "Noise".
+divided by the wall time: the mean number of cores others kept busy. With every core taken by
+other processes, a tiny model's decode step waited out the scheduler's time slice each step, a
+slow but steady step: the load is measured, not inferred from the spread. The
+thresholds come from runs with and without busy processes beside them (docs/metrics.md, "Noise").
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def read_gbs(buffer: torch.Tensor, repeats: int = 3, pick: Callable[[list[float]
     (F.linear: MKL's sgemv on CPU), each time picked from its repeats' (the best by default: slower
     repeats are interference).
 
-    Why both: on the AMX Xeon host (2026-12-03) the reduction read the first 3 GiB a process
-    allocates at 22 GB/s and later buffers at 26-30, while the GEMV read every buffer at 29-31, so a
-    reduction-only limit drew a speed from where its buffer landed (decode rows at 113 % of it in
-    one run, 129 % in the next). The limit is the rate the machine's libraries reach; which read
+    Why both: on some hosts the reduction read the first GiBs a process allocates markedly slower
+    than later buffers while the GEMV read every buffer alike, so a reduction-only limit drew a
+    speed from where its buffer landed (decode rows well over 100 % of it, by a different amount
+    in each run). The limit is the rate the machine's libraries reach; which read
     reaches it differs by host."""
     rows = buffer.numel() // READ_ROW
     matrix = buffer[: rows * READ_ROW].view(rows, READ_ROW)  # [rows, 4096]
@@ -131,8 +131,8 @@ def read_gbs(buffer: torch.Tensor, repeats: int = 3, pick: Callable[[list[float]
 
 def read_limit_gbs(device: torch.device, mib: int = 1024) -> float:
     """The read bandwidth measured at this moment, for a run's "% of bandwidth": a buffer larger
-    than the caches (the AMX Xeon host has 480 MiB of L3: a 256 MiB buffer read from it), touched
-    once, then read (about 0.5 s on this CPU)."""
+    than the caches (server CPUs have hundreds of MiB of L3), touched once, then read (well under a
+    second)."""
     buffer = torch.ones(mib * 2**20 // 4, device=device)
     buffer.sum()
     return read_gbs(buffer)

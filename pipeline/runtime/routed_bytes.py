@@ -1,7 +1,7 @@
 """The weight bytes a decode step reads when each mixture-of-experts layer reads only the experts its
 tokens were routed to (pipeline::moe), counted on a generation: a decode step's read rate divided
-by every expert's bytes would report Llama-4 Scout's 16-expert layers at 167 % of the memory
-bandwidth (the five-model sweep of 2026-12-01)."""
+by every expert's bytes would report Llama-4 Scout's 16-expert layers well above the memory
+bandwidth."""
 
 from __future__ import annotations
 

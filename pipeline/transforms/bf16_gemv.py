@@ -4,10 +4,9 @@ bf16 matmul runs (an AVX512-BF16 host; more rows stay with oneDNN, which GEMMs w
 calls (up to 8 rows) where PyTorch's bf16 matmul falls back to ATen's loops (an AVX2-only host);
 prefills stay F.linear (cpu_gemv.py says why).
 
-Why: on the AVX512-BF16 host, F.linear read a decode step's weights at 26-33 GB/s, about half of
-what a reduction read, and a bfloat16 decode step of mistral3 ran at 90-95 % of that rate (`make
-bench`, 2026-12-01); on the AVX2-only host F.linear reads 11 GB/s at one row and 2.9 at four where
-a reduction reads 21 (2026-12-02). Scope subgraph and model as onednn_linear (linear_route.py).
+Why: where oneDNN's bfloat16 matmul runs, F.linear reads a decode step's weights well below what a
+plain reduction reads; where it does not (AVX2 only), ATen's loops read them at a fraction of it
+(BENCHMARKS.md, decode in bfloat16). Scope subgraph and model as onednn_linear (linear_route.py).
 Where the kernel cannot be built (no AVX2 with FMA, no compiler), nothing is rewritten and the
 history's unmatched list says why.
 """

@@ -1,12 +1,11 @@
 """onednn_linear: float32 linears on CPU run through oneDNN's inner product instead of F.linear.
 
-Why: on this CPU build F.linear goes to MKL's GEMM with the weight transposed, which at decode
-sizes read a [N, K] weight at about a third of the machine's memory bandwidth on the first hosts
-(measured: a [32000, 512] float32 weight at batch 1 takes 4.3 ms in F.linear and 1.5 ms in oneDNN;
-at batch 4 7.5 ms vs 1.7 ms; prefill GEMMs run about 2x faster too). oneDNN reads the plain [N, K]
-layout. Not on every host: on an AMX Xeon MKL read mistral3's weights faster at one and two rows,
-so a decode-size call runs whichever of the two was timed faster for its shape
-(kernels/linear_choice.py).
+Why: on the CPU build of torch F.linear goes to MKL's GEMM with the weight transposed, which at
+decode sizes reads a [N, K] weight at a fraction of the memory bandwidth on some hosts, and runs
+prefill GEMMs slower too; oneDNN reads the plain [N, K] layout. Not on every host: on others MKL
+reads the weights faster at one and two rows, so a decode-size call runs whichever of the two was
+timed faster for its shape (kernels/linear_choice.py). The figures are in BENCHMARKS.md (decode,
+"demollm F.linear").
 
 Scope subgraph: every `aten.linear` in a captured graph; scope model: the eager `nn.Linear`
 modules outside the graphs (linear_route.py). The default runs both. Only float32 weights on CPU:
