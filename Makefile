@@ -7,7 +7,7 @@ PINNED := .ci/pinned.txt
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-all test-latest bench bench-tp sweep ui lint clean
+.PHONY: setup run test test-all test-browser soak test-latest bench bench-tp sweep ui lint clean
 
 setup: $(VENV)/.installed
 
@@ -22,14 +22,25 @@ $(VENV)/.installed: pyproject.toml $(PINNED)
 run: setup
 	$(PY) -m pipeline model=mistral3 capture=partial $(ARGS)
 
-# Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute.
-# `make test`: every test not marked slow (under 20 min on 2 cores); `make test-all`: the whole
-# suite, slow ones included (whole runs, sweeps, ranks, the browser, the bench): what CI runs.
+# Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute. Every
+# test has a time limit (pyproject.toml: pytest-timeout), and the processes it started end with it.
+# `make test`: every test not marked slow or browser; `make test-all`: the whole suite (whole runs,
+# sweeps, ranks, the browser, the bench), what CI runs, with its 30 slowest tests listed;
+# `make test-browser`: the MLflow UI in Chromium alone; `make soak`: a race hunt, not a test.
+PYTEST := $(PY) -m pytest -q -n 2
 test: setup
-	$(PY) -m pytest -q -n 2 -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow and not browser" $(ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PYTEST) --durations=30 $(ARGS)
+
+test-browser: setup
+	$(PYTEST) -m browser $(ARGS)
+
+SOAK_REPEATS ?= 5
+soak: setup
+	PIPELINE_SOAK_REPEATS=$(SOAK_REPEATS) $(PYTEST) tests/reliability/test_tracking_store.py \
+		-k parallel_sweeps_lose_no_run $(ARGS)
 
 # The suite against the newest releases pyproject.toml admits, in a venv of their own: no pinned set,
 # and torch as pip resolves it (a CUDA build of several GB). This machine's pip is capped at torch
@@ -42,7 +53,7 @@ test-latest:
 	@$(LATEST)/bin/python -c "import torch, transformers, mlflow, hydra; print('testing torch', \
 		torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__, \
 		'hydra-core', hydra.__version__)"
-	$(LATEST)/bin/python -m pytest -q -n 2 $(ARGS)
+	$(LATEST)/bin/python -m pytest -q -n 2 --durations=30 $(ARGS)
 
 # A ready example: every capture mode x two CPU backends on a tiny VLM (capture=full fails, by design).
 sweep: setup

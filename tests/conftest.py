@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -29,6 +34,11 @@ from pipeline.models import build, meta, probe, zoo
 from pipeline.models.inputs import make_example_inputs
 from pipeline.parallel import free_port
 from pipeline.transforms.registry import TransformContext
+
+# The kernel choices tests time (kernels/linear_choice.py) go to a file of the suite's own, never
+# the user's ~/.cache/pipeline; subprocesses inherit it.
+os.environ["PIPELINE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="pipeline-test-kernels-")
+atexit.register(shutil.rmtree, os.environ["PIPELINE_KERNEL_CACHE"], ignore_errors=True)
 
 CONF_DIR = str(REPO_ROOT / "conf")
 TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
@@ -94,6 +104,36 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# Orphans of a test's subprocesses (the ranks or workers of a job whose launcher was killed) are
+# re-parented to this process rather than to init, so the test's teardown still finds them.
+PR_SET_CHILD_SUBREAPER = 36
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+# Helpers a library keeps for the whole process, started by whichever test first needs them.
+PROCESS_WIDE_HELPERS = ("multiprocessing.resource_tracker", "torch._inductor.compile_worker")
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    return {p.pid: p for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Every process a test started, and every process those started, ends with the test: one that
+    timed out (pytest-timeout) or failed leaves no job, rank or worker behind to load the suite."""
+    before = set(_descendants())
+    yield
+    left = []
+    for pid, proc in _descendants().items():
+        with contextlib.suppress(psutil.Error):
+            if pid in before or any(h in " ".join(proc.cmdline()) for h in PROCESS_WIDE_HELPERS):
+                continue
+            proc.kill()
+            left.append(proc)
+    psutil.wait_procs(left, timeout=30)
 
 
 @pytest.fixture

@@ -9,17 +9,18 @@ import math
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 from conftest import REPO_ROOT
 
 import pipeline.bench.__main__ as bench
+import pipeline.bench.load as bench_load
 from pipeline.bench import compare, decode, engine_work, pipeline_run, tensor_parallel
 from pipeline.kernels import cpu_gemv
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     """`python -m pipeline.bench` as a user runs it, on a part of its blocks (the others run in
     process below, each a test of its own: one run of every block passed 300 s under CI's load)."""
@@ -75,12 +76,16 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     )
     # a round where a touched load spilled off its block has no ratio (test_bench_rounds covers the rule)
     spilled = load["touched_rounds_spilled"]
-    assert load["touched_load_faults_max"] >= 0 and 0 <= spilled <= 2
+    # every load faults in some pages; a round spilled exactly when a load faulted past its allowance
+    faults = load["touched_load_faults_max"]
+    assert isinstance(faults, int) and faults > 0 and 0 <= spilled <= 2
+    assert (spilled > 0) == bench_load.spilled(faults, 4 * load["params"])  # float32 bytes
     if spilled < 2:
         assert is_spread(load["speedup_touched"], 2 - spilled)
     else:
         assert "speedup_touched" not in load
-    assert results["machine_load"]["other_cores"] >= 0 and "loadavg_1m" in results["machine_load"]["start"]
+    assert 0 <= results["machine_load"]["other_cores"] <= psutil.cpu_count()
+    assert "loadavg_1m" in results["machine_load"]["start"]
     assert results["export"]["submodule"] == "model.language_model"
     text = output.read_text()
     assert "A part of the bench: `--rows load,export,decode,prefill`" in text
@@ -105,11 +110,9 @@ def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     assert "| load on memory touched first (the touch: " in text
     # a part's figure lies beside its markdown, not over the README's
     assert results["plot"] == "BENCH.png" and (tmp_path / "BENCH.png").stat().st_size > 10_000
-    # the run-to-run comparison reads the results: against itself every ratio holds
-    lines, moved = compare.compare(results, results, 10.0)
-    assert moved == [] and sum("| holds |" in line or "NOISY in a run" in line for line in lines) > 5
 
 
+@pytest.mark.slow
 def test_whole_run_rows():
     run = pipeline_run.bench_pipeline_run(["model=tiny_mistral3", "capture=partial"], 2)
     assert "error" not in run and is_spread(run["wall_s"], 2)
@@ -117,6 +120,7 @@ def test_whole_run_rows():
     assert "## Whole run" in "\n".join(pipeline_run.markdown(run))
 
 
+@pytest.mark.slow
 def test_moe_decode_rows_route_fewer_bytes_than_all_experts():
     result = decode.bench_decode("tiny_llama4_scout", [1, 2], 8, 2, 2, torch.bfloat16)
     assert (result["model"], result["dtype"]) == ("tiny_llama4_scout", "bfloat16")
@@ -125,6 +129,7 @@ def test_moe_decode_rows_route_fewer_bytes_than_all_experts():
     assert "routed: " in text
 
 
+@pytest.mark.slow
 def test_moe_rows_left_out_where_hugging_faces_experts_cannot_run(monkeypatch, tmp_path):
     """Where Hugging Face's all-experts form cannot run in time (bfloat16 without oneDNN's bf16
     matmul), `--rows moe` measures nothing and the table says why."""
@@ -167,6 +172,7 @@ def check_decode(result: dict, text: str, moe: bool) -> None:
     assert len(lines) == 2 * len(runners) and all(line.count("(") >= 3 for line in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny_llama3_1_8b", "tiny_qwen3_moe"])
 def test_backend_rows(name):
     result = decode.bench_backends(
@@ -188,6 +194,7 @@ def test_backend_rows(name):
     )
 
 
+@pytest.mark.slow
 def test_engine_work_rows():
     result = engine_work.bench_engine_work("tiny_mistral3", [1, 2], bench.ENGINE_WORK_BACKENDS)
     assert [(r["backend"], r["batch"]) for r in result["rows"]] == [
@@ -258,6 +265,7 @@ def is_spread(value: dict, rounds: int) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_tensor_parallel_blocks_on_a_tiny_model():
     """`make bench-tp`'s blocks on two gloo ranks of a tiny model: every block runs, a world-2 rank
     reads half the sharded weights of one process (the replicated lm_head more), each block has its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import transformers
 from conftest import REPO_ROOT, compose_cfg, mlflow_runs, run_pipeline
 from hydra.errors import ConfigCompositionException
 
@@ -37,7 +38,9 @@ def test_every_option_composes_and_validates(group):
         validate(cfg, cuda_available=needs_cuda)
         if group == "model":
             hf_config = zoo.build_hf_config(cfg.model)
-            assert type(zoo.resolve_model_class(cfg.model, hf_config)).__name__ == "type"
+            cls = zoo.resolve_model_class(cfg.model, hf_config)
+            assert issubclass(cls, transformers.PreTrainedModel)
+            assert cls.__name__ == (cfg.model.architecture or hf_config.architectures[0]), option
 
 
 def test_groups_have_the_seed_options():
@@ -117,13 +120,23 @@ def test_misspelt_key_in_a_model_file_is_refused():
         zoo.build_hf_config(cfg.model)
 
 
-def test_flashinfer_needs_the_package():
+def test_flashinfer_needs_the_package(monkeypatch):
+    """Without the package, attention=flashinfer is refused naming it; with it, it validates."""
     cfg = compose_cfg(["attention=flashinfer"])
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigError, match="flashinfer"):
+    find_spec = importlib.util.find_spec
+    for installed in (False, True):
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, installed=installed: (
+                (object() if installed else None) if name == "flashinfer" else find_spec(name, *a)
+            ),
+        )
+        if installed:
             validate(cfg, cuda_available=True)
+        else:
+            with pytest.raises(ConfigError, match="flashinfer"):
+                validate(cfg, cuda_available=True)
 
 
 CLI_CASES = {

@@ -5,7 +5,7 @@ calls keep the transform's kernel."""
 from __future__ import annotations
 
 import json
-import time
+import types
 
 import pytest
 import torch
@@ -21,15 +21,24 @@ def no_choices_yet(monkeypatch, tmp_path):
     monkeypatch.setattr(linear_choice, "_chosen", None)
 
 
-def test_the_faster_candidate_is_chosen_once_per_shape():
+@pytest.fixture
+def clock(monkeypatch):
+    """linear_choice's clock, advanced only by the candidates: which is slower is given, not timed."""
+    now = types.SimpleNamespace(s=0.0)
+    monkeypatch.setattr(linear_choice, "time", types.SimpleNamespace(perf_counter=lambda: now.s))
+    return now
+
+
+def test_the_faster_candidate_is_chosen_once_per_shape(clock):
     calls = {"slow": 0, "fast": 0}
 
     def slow():
         calls["slow"] += 1
-        time.sleep(0.01)
+        clock.s += 1.0
 
     def fast():
         calls["fast"] += 1
+        clock.s += 0.1
 
     assert linear_choice.fastest(("k", 1), (slow, fast)) == 1
     assert calls == {"slow": 1 + linear_choice.REPEATS, "fast": 1 + linear_choice.REPEATS}
@@ -38,12 +47,12 @@ def test_the_faster_candidate_is_chosen_once_per_shape():
     assert linear_choice.fastest(("k", 2), (fast, slow)) == 0  # another shape is timed anew
 
 
-def test_a_later_process_on_the_host_reads_the_choices():
+def test_a_later_process_on_the_host_reads_the_choices(clock):
     """Another process (its choices not yet read) takes the file's choice without timing, even
     where it would time otherwise: every process on a host sums in the same order."""
 
     def slow():
-        time.sleep(0.01)
+        clock.s += 1.0
 
     assert linear_choice.fastest(("k", 1), (slow, lambda: None)) == 1
     linear_choice._chosen = None  # as a new process starts
@@ -55,11 +64,15 @@ def test_a_later_process_on_the_host_reads_the_choices():
     assert json.loads(linear_choice.cache_path().read_text()) == {"k|1": 1}
 
 
-def test_an_unreadable_file_is_timed_over():
+def test_an_unreadable_file_is_timed_over(clock):
     path = linear_choice.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("[not a dict")
-    assert linear_choice.fastest(("k", 1), (lambda: None, lambda: time.sleep(0.01))) == 0
+
+    def slow():
+        clock.s += 1.0
+
+    assert linear_choice.fastest(("k", 1), (lambda: None, slow)) == 0
     assert json.loads(path.read_text()) == {"k|1": 0}
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
+from pipeline.runtime import machine_load
 from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile, read_gbs
 
 
@@ -37,18 +39,23 @@ def test_noise_verdict():
 
 @pytest.mark.parametrize("slowed", ["sum", "gemv"])
 def test_the_read_limit_is_the_faster_of_the_reduction_and_the_gemv(monkeypatch, slowed):
-    """Either read made 50 ms slower a call, the limit is the other's rate: a buffer's limit is the
-    best plain read of it, not whichever kernel drew a bad placement. The buffer's length is not a
-    multiple of the GEMV's row, whose view leaves the tail out (and its bytes uncounted)."""
+    """Either read made slower, the limit is the other's rate: a buffer's limit is the best plain
+    read of it, not whichever kernel drew a bad placement. The reads advance a clock of the test's
+    own (1 ms a read, 50 ms slowed), so the rates are exact. The buffer's length is not a multiple
+    of the GEMV's row, whose view leaves the tail out (and its bytes uncounted)."""
     buffer = torch.ones(1_000_000 + 5)  # 4 MB: 244 rows of 4096 and a tail
-    buffer.sum()
-    if slowed == "sum":
-        sum_ = torch.Tensor.sum
-        monkeypatch.setattr(
-            torch.Tensor, "sum", lambda self, *a, **k: (time.sleep(0.05), sum_(self, *a, **k))[1]
-        )
-    else:
-        linear = torch.nn.functional.linear
-        monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: (time.sleep(0.05), linear(*a))[1])
-    slow_gbs = buffer.numel() * 4 / 0.05 / 1e9  # 0.08 GB/s: what the slowed read can at most reach
-    assert read_gbs(buffer) > 3 * slow_gbs
+    now = types.SimpleNamespace(s=0.0)
+    monkeypatch.setattr(machine_load, "time", types.SimpleNamespace(perf_counter=lambda: now.s))
+
+    def taking(seconds, read):
+        def timed(*args, **kwargs):
+            now.s += seconds
+            return read(*args, **kwargs)
+
+        return timed
+
+    sum_, linear = torch.Tensor.sum, torch.nn.functional.linear
+    monkeypatch.setattr(torch.Tensor, "sum", taking(0.05 if slowed == "sum" else 0.001, sum_))
+    monkeypatch.setattr(torch.nn.functional, "linear", taking(0.05 if slowed == "gemv" else 0.001, linear))
+    read_bytes = {"sum": 244 * 4096 * 4, "gemv": buffer.numel() * 4}[slowed]  # the faster read's bytes
+    assert read_gbs(buffer) == pytest.approx(read_bytes / 0.001 / 1e9)

@@ -8,8 +8,6 @@ from conftest import child_runs, mlflow_runs, run_pipeline, sweep_parent
 
 from pipeline.sweep import decode_figure, job_rows, summary_metrics, swept_keys
 
-pytestmark = pytest.mark.slow
-
 
 def test_swept_keys_are_the_ones_with_choices():
     overrides = ["model=tiny_mistral3", "capture=none,full", "seed=range(3)", "+profile.x=1", "backend=a,b"]
@@ -58,6 +56,7 @@ def test_decode_plot_has_a_panel_per_model_and_draws_failed_jobs_as_failed():
     assert tags == {"best_job": "qwen3·none", "worst_job": "mistral3·none"}
 
 
+@pytest.mark.slow
 def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     proc = run_pipeline(
         [
@@ -102,6 +101,7 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     assert "report/sweep.html" in artifacts
 
 
+@pytest.mark.slow
 def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri):
     proc = run_pipeline(
         [
@@ -127,6 +127,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "ray_local"])
 def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, tracking_uri):
     """hydra/launcher=local: hydra-submitit-launcher's local executor, the SLURM launcher's code

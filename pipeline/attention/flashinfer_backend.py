@@ -11,7 +11,6 @@ that needs them is refused up front (SUPPORTS in attention/__init__.py).
 
 from __future__ import annotations
 
-import flashinfer
 import torch
 from torch import Tensor
 
@@ -22,6 +21,8 @@ _WORKSPACE_BYTES = 128 * 2**20
 
 
 def _wrapper(device: torch.device):
+    import flashinfer  # at the first call: the page layout (csr_pages) needs no flashinfer
+
     if device not in _WORKSPACE:
         _WORKSPACE[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return flashinfer.BatchPrefillWithPagedKVCacheWrapper(_WORKSPACE[device], "NHD")

@@ -40,8 +40,15 @@ def _image(path, mode: str, size: tuple[int, int]):
     return path
 
 
-@pytest.mark.parametrize(("mode", "size"), [("L", (64, 64)), ("RGBA", (3, 5)), ("CMYK", (40, 40))])
-def test_odd_images_are_converted_or_refused_clearly(mode, size, tmp_path, tracking_uri):
+@pytest.mark.parametrize(
+    ("mode", "size", "refused"),
+    [
+        ("L", (64, 64), None),  # grayscale: converted to RGB by the model's preprocessing
+        ("RGBA", (3, 5), "smaller than one 14-pixel patch"),  # below one vision patch
+        ("CMYK", (40, 40), None),  # a CMYK JPEG: converted to RGB
+    ],
+)
+def test_odd_images_are_converted_or_refused_clearly(mode, size, refused, tmp_path, tracking_uri):
     image = _image(tmp_path / "odd.png" if mode != "CMYK" else tmp_path / "odd.jpg", mode, size)
     proc = run_pipeline(
         [
@@ -53,10 +60,14 @@ def test_odd_images_are_converted_or_refused_clearly(mode, size, tmp_path, track
         ],  # fmt: skip
         tmp_path,
     )
-    if proc.returncode == 0:  # converted to RGB and resized by the model's own preprocessing
+    if refused is None:
+        assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads((tmp_path / "run" / "generation" / "tokens.json").read_text())
-        return
-    assert "prompt.images" in _one_line(proc) or "image" in _one_line(proc)
+    else:
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = _one_line(proc)
+        assert line.startswith("config error: prompt.images[0]=") and refused in line, line
+        assert not mlflow_runs(tracking_uri)[1]
 
 
 def _checkpoint(tmp_path):
@@ -90,7 +101,7 @@ def test_a_checkpoint_that_disagrees_with_model_kwargs_is_refused(tmp_path, trac
         ],  # fmt: skip
         tmp_path,
     )
-    assert proc.returncode in (1, 2)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_line(proc)
     assert "num_hidden_layers" in line and "checkpoint" in line, line
 
