@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from pipeline.transforms.graph import INT64_MAX, aten, finish, is_op
+from pipeline.transforms.graph import INT64_MAX, aten, is_op
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 _ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default)
@@ -55,6 +55,8 @@ def _is_noop(node: fx.Node) -> bool:
 @register
 class Cleanup(Transform):
     name = "cleanup"
+    # the matchers are written against the graph without export's asserts and no-op ops
+    before = ("match_attention", "match_rope", "match_rmsnorm", "match_moe")
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
@@ -66,5 +68,4 @@ class Cleanup(Transform):
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
                 matches += 1
-        finish(gm)
         return matches

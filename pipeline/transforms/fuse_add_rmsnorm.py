@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, finish, is_op, replace
+from pipeline.transforms.graph import aten, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 RMS_NORM = torch.ops.pipeline.rms_norm.default
@@ -32,6 +32,7 @@ def _same_tensor_type(a, b) -> bool:
 @register
 class FuseAddRMSNorm(Transform):
     name = "fuse_add_rmsnorm"
+    after = ("match_rmsnorm",)  # it fuses the add into pipeline::rms_norm
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -56,5 +57,4 @@ class FuseAddRMSNorm(Transform):
             replace(norm, normed)
             replace(add, total)
             matches += 1
-        finish(gm)
         return matches

@@ -21,7 +21,6 @@ from pipeline.transforms.graph import (
     common_module_stack,
     drop_parameters,
     fake_value,
-    finish,
     is_op,
     replace,
 )
@@ -75,7 +74,7 @@ class FuseGemms(Transform):
             replaced += [n.args[i].target for n in linears for i in ((1, 2) if has_bias else (1,))]
             self._fuse(gm, x, linears, weights, biases)
             matches += 1
-        finish(gm)
+        gm.graph.eliminate_dead_code()  # the replaced linears' reads of their weights go first
         drop_parameters(gm, replaced)
         return matches
 

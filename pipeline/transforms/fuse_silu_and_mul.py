@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, fake_value, finish, is_op, replace
+from pipeline.transforms.graph import aten, fake_value, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 SILU_AND_MUL = torch.ops.pipeline.silu_and_mul.default
@@ -64,6 +64,7 @@ def _gate_up(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, int, int] | None:
 @register
 class FuseSiluAndMul(Transform):
     name = "fuse_silu_and_mul"
+    after = ("fuse_gemms",)  # gate and up as two halves of one GEMM's output
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
@@ -87,5 +88,4 @@ class FuseSiluAndMul(Transform):
                 fused = gm.graph.call_function(SILU_AND_MUL, (gate_up,))
             replace(mul, fused)
             matches += 1
-        finish(gm)
         return matches

@@ -33,7 +33,7 @@ from pipeline.attention import (
 from pipeline.attention.kv_cache import CacheSpec, PagedKVCache
 from pipeline.graphs import first_tensor, record_of
 from pipeline.models import masks
-from pipeline.transforms.graph import add_inputs, drop_unused_inputs, finish, is_op, replace
+from pipeline.transforms.graph import add_inputs, drop_unused_inputs, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
@@ -104,6 +104,7 @@ class FreshCacheInputs:
 @register
 class InsertCachedAttention(Transform):
     name = "insert_cached_attention"
+    after = ("match_attention",)  # it replaces pipeline::attention
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         record = record_of(gm)
@@ -145,7 +146,6 @@ class InsertCachedAttention(Transform):
         gm.graph.eliminate_dead_code()
         record.unused_inputs += drop_unused_inputs(gm)
         record.tensor_inputs = [n for n in record.tensor_inputs if n not in record.unused_inputs]
-        finish(gm)
         record.cache_specs = specs
         record.runtime_inputs = FreshCacheInputs(specs, ctx.page_size, ctx.hf_config if blocks else None)
         return len(nodes)

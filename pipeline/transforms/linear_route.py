@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
-from pipeline.transforms.graph import aten, finish, is_op, replace
+from pipeline.transforms.graph import aten, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, eager_modules
 
 
@@ -48,6 +48,7 @@ class LinearRoute(Transform):
     """Subclasses set `module` (their OpLinear) and implement `takes(weight)` and `unavailable()`."""
 
     scopes = ("subgraph", "model")
+    after = ("fuse_gemms",)  # a routed linear is no longer an aten.linear fuse_gemms can fuse
     module: ClassVar[type[OpLinear]]
 
     @staticmethod
@@ -81,7 +82,6 @@ class LinearRoute(Transform):
             replace(node, routed)
             gm.graph.erase_node(node)
             matches += 1
-        finish(gm)
         return matches
 
     def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:

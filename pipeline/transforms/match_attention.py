@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, finish, is_op, replace
+from pipeline.transforms.graph import aten, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
@@ -156,7 +156,6 @@ class MatchAttention(Transform):
         for node in reversed(list(gm.graph.nodes)):
             if is_op(node, aten.dropout.default) and not node.users:
                 gm.graph.erase_node(node)
-        finish(gm)
         return matches
 
     def unmatched(self, gm: fx.GraphModule) -> list[str]:

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, fake_value, finish, is_op, replace
+from pipeline.transforms.graph import aten, fake_value, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 MOE = torch.ops.pipeline.moe.default
@@ -175,6 +175,8 @@ def _match_llama4(total: fx.Node):
 @register
 class MatchMoE(Transform):
     name = "match_moe"
+    # fuse_silu_and_mul would take the experts' silu * up out of the form matched here
+    before = ("fuse_silu_and_mul",)
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0
@@ -198,7 +200,6 @@ class MatchMoE(Transform):
             matches += 1
         if matches:
             _drop_unread_inverse_permutations(gm)
-        finish(gm)
         return matches
 
     def unmatched(self, gm: fx.GraphModule) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, finish, is_op, replace
+from pipeline.transforms.graph import aten, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, eager_modules, register
 
 RMS_NORM = torch.ops.pipeline.rms_norm.default
@@ -88,7 +88,6 @@ class MatchRMSNorm(Transform):
                 canonical = gm.graph.call_function(RMS_NORM, (x, weight, eps))
             replace(out, canonical)
             matches += 1
-        finish(gm)
         return matches
 
     def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:

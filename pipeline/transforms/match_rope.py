@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import INT64_MAX, aten, finish, is_op, replace
+from pipeline.transforms.graph import INT64_MAX, aten, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 ROPE = torch.ops.pipeline.rope.default
@@ -92,5 +92,4 @@ class MatchRope(Transform):
                 canonical = gm.graph.call_function(target, tuple(args))
             replace(anchor, canonical)
             matches += 1
-        finish(gm)
         return matches

@@ -27,6 +27,7 @@ from torch import fx, nn
 from pipeline.errors import ConfigError
 from pipeline.graphs import find_graphs
 from pipeline.models.deferred import DeferredWeights
+from pipeline.transforms.graph import finish
 
 SCOPES = ("subgraph", "model")  # also the order in which a transform's scopes run
 
@@ -56,13 +57,19 @@ class TransformContext:
 
 
 class Transform:
-    """Subclasses set `name`, `scopes` (which scopes they can run in), `Config`, and implement
-    `apply_graph` (scope subgraph) and/or `apply_model` (scope model: the eager modules outside the
-    captured graphs); both return the match count."""
+    """Subclasses set `name`, `scopes` (which scopes they can run in), `Config`, the transforms they
+    must come `after` or `before` in the list, and implement `apply_graph` (scope subgraph) and/or
+    `apply_model` (scope model: the eager modules outside the captured graphs); both return the
+    match count. What every graph rewrite ends with (dead nodes dropped, the graph linted and
+    recompiled) is done here, in `rewrite_graph`, not by each transform."""
 
     name: ClassVar[str]
     scopes: ClassVar[tuple[str, ...]] = ("subgraph",)
     Config: ClassVar[type] = TransformConfig
+    # Order constraints, checked by parse() between enabled transforms: each names transforms whose
+    # rewrite this one needs done first (after), or would undo or hide for them (before).
+    after: ClassVar[tuple[str, ...]] = ()
+    before: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):
         self.config = config
@@ -75,6 +82,12 @@ class Transform:
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         raise NotImplementedError
+
+    def rewrite_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
+        """apply_graph, then the clean-up every rewrite needs: the match count."""
+        matches = self.apply_graph(gm, ctx)
+        finish(gm)
+        return matches
 
     def apply_model(self, model: nn.Module, ctx: TransformContext) -> int:
         raise NotImplementedError
@@ -131,7 +144,31 @@ def parse(transforms_cfg: dict | None) -> list[Transform]:
                 f"{' or '.join(cls.scopes)}"
             )
         transforms.append(cls(OmegaConf.to_object(config)))
+    check_order(transforms)
     return transforms
+
+
+def check_order(transforms: list[Transform]) -> None:
+    """Every declared constraint between two enabled transforms holds in the list's order; else a
+    ConfigError naming both."""
+    position = {t.name: i for i, t in enumerate(transforms) if t.config.enabled}
+    for transform in transforms:
+        if transform.name not in position:
+            continue
+        here = position[transform.name]
+        for other in transform.after:
+            if position.get(other, -1) > here:
+                raise ConfigError(_order_error(other, transform.name, f"declared by {transform.name}"))
+        for other in transform.before:
+            if -1 < position.get(other, -1) < here:
+                raise ConfigError(_order_error(transform.name, other, f"declared by {transform.name}"))
+
+
+def _order_error(first: str, then: str, why: str) -> str:
+    return (
+        f"transforms: {first} must run before {then} ({why}), and the list has {then} first; "
+        f"put transforms.{first} above transforms.{then} (conf/transforms/default.yaml has the order)"
+    )
 
 
 @dataclass
@@ -252,7 +289,7 @@ def _apply_one(
         if scope == "model":
             record.matches = transform.apply_model(target, ctx)
         else:
-            record.matches = transform.apply_graph(target, ctx)
+            record.matches = transform.rewrite_graph(target, ctx)
     except Exception as exc:
         record.seconds = time.perf_counter() - start
         record.reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

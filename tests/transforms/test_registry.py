@@ -155,3 +155,55 @@ def test_switches_from_the_command_line():
     history = registry.TransformHistory()
     registry.run_transforms(model, parsed, transform_context(), history)
     assert next(r for r in history.records if r.transform == "fuse_gemms").status == "disabled"
+
+
+def _declared_pairs() -> list[tuple[str, str]]:
+    """(first, then) for every order a transform declares."""
+    pairs = []
+    for name, cls in registry.TRANSFORMS.items():
+        pairs += [(other, name) for other in cls.after] + [(name, other) for other in cls.before]
+    return sorted(set(pairs))
+
+
+def test_declared_orders_name_registered_transforms_and_the_default_list_keeps_them():
+    assert _declared_pairs() and all(
+        a in registry.TRANSFORMS and b in registry.TRANSFORMS for a, b in _declared_pairs()
+    )
+    registry.parse(compose_cfg().transforms)  # the default order: no error
+
+
+@pytest.mark.parametrize(("first", "then"), _declared_pairs())
+def test_an_order_that_breaks_a_declared_constraint_is_refused_naming_both(first, then):
+    default = dict(compose_cfg().transforms)
+    registry.parse({first: default[first], then: default[then]})
+    with pytest.raises(ConfigError, match=f"{first} must run before {then}.*transforms.{first} above"):
+        registry.parse({then: default[then], first: default[first]})
+    # a transform switched off constrains nothing
+    registry.parse({then: {**default[then], "enabled": False}, first: default[first]})
+
+
+def test_the_registry_finishes_every_graph_rewrite():
+    """A transform leaves a dead node and an edited graph; the registry drops the node and
+    recompiles, so the module runs what its graph says."""
+
+    class Doubler(registry.Transform):
+        name = "test_doubler"
+
+        def apply_graph(self, gm, ctx):
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            value = output.args[0]
+            with gm.graph.inserting_before(output):
+                gm.graph.call_function(torch.neg, (value,))  # dead: nothing reads it
+                doubled = gm.graph.call_function(torch.mul, (value, 2))
+            output.args = (doubled,)
+            return 1
+
+    gm = fx.symbolic_trace(nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    expected = gm(x) * 2
+    record = registry._apply_one(
+        Doubler(registry.TransformConfig()), "subgraph", "g", gm, transform_context()
+    )
+    assert record.status == "applied" and record.matches == 1
+    assert not any(n.target is torch.neg for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x), expected)

@@ -60,5 +60,6 @@ def run(model, overrides=()) -> registry.TransformHistory:
 
 
 def apply(name: str, gm) -> int:
-    """One transform's subgraph pass on a graph, with its default options."""
-    return registry.TRANSFORMS[name](registry.TransformConfig()).apply_graph(gm, transform_context())
+    """One transform's subgraph pass on a graph, with its default options, as the registry runs it
+    (the graph cleaned up and recompiled after the rewrite)."""
+    return registry.TRANSFORMS[name](registry.TransformConfig()).rewrite_graph(gm, transform_context())
