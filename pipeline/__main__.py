@@ -153,6 +153,7 @@ def _job(cfg: DictConfig) -> None:
         return
     from pipeline.models.memory import auto_dtype, check_fits
     from pipeline.runner import Runner
+    from pipeline.state import Job
 
     config = checked.config
     device = resolve_device(config.device)
@@ -169,17 +170,17 @@ def _job(cfg: DictConfig) -> None:
     if note:
         log.warning(note)
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    overrides = list(hydra_cfg.overrides.task)
-    name, on_cuda = _job_name(hydra_cfg), device.type == "cuda"
+    job = Job(
+        config, checked.hf_config, Path(hydra_cfg.runtime.output_dir), dtype, device,
+        _job_name(hydra_cfg), tuple(hydra_cfg.overrides.task),
+    )  # fmt: skip
     if config.runtime.world_size > 1 and ranks.torchrun_world():
-        ranks.run_under_torchrun(config, checked.hf_config, run_dir, name, dtype, overrides, on_cuda)
+        ranks.run_under_torchrun(job)
     elif config.runtime.world_size > 1:
-        parent_run_id = sweep.this_sweep().get("parent_run_id")
-        ranks.launch(config, checked.hf_config, run_dir, name, dtype, overrides, on_cuda, parent_run_id)
+        ranks.launch(job, sweep.this_sweep().get("parent_run_id"))
     else:
-        Runner(config, run_dir, checked.hf_config, name, dtype, overrides).run()
-    log.info("run folder: %s", run_dir)
+        Runner(job).run()
+    log.info("run folder: %s", job.run_dir)
 
 
 hydra_job = hydra.main(version_base="1.3", config_path="../conf", config_name="config")(job)

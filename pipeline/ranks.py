@@ -30,10 +30,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ import torch.multiprocessing as mp
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, RunFailed, StageFailure
 from pipeline.parallel import PROGRESS, Rank, free_port, join, rank_dir, stop_signals
+from pipeline.state import Job
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,12 @@ def check_shard_weights(config: PipelineConfig, world: int) -> None:
 # -- one rank -------------------------------------------------------------------------------------
 
 
-def run_rank(me: Rank, config: PipelineConfig, hf_config, name, dtype, overrides, parent_run_id) -> None:
-    """The stages on this rank (in its group already); RunFailed or KeyboardInterrupt as a run does."""
+def run_rank(me: Rank, job: Job, parent_run_id: str | None) -> None:
+    """The stages on this rank (in its group already), in its own folder; RunFailed or
+    KeyboardInterrupt as a run does."""
     from pipeline.runner import Runner  # as __main__ does: a config error never waits for the stages' imports
 
-    Runner(config, me.run_dir, hf_config, name, dtype, overrides, rank=me, parent_run_id=parent_run_id).run()
+    Runner(replace(job, run_dir=me.run_dir), rank=me, parent_run_id=parent_run_id).run()
     dist.destroy_process_group()
 
 
@@ -221,31 +222,26 @@ def _log_to(me: Rank, level: int, replace: type[logging.Handler] | None = None) 
 
 
 @dataclass
-class RankJob:
-    """What a spawned rank needs, pickled into its process: the checked config, not Hydra's."""
+class RankStart:
+    """What a spawned rank needs beside its job, pickled into its process."""
 
-    config: PipelineConfig
-    hf_config: Any
-    name: str | None
-    dtype: torch.dtype
-    overrides: list[str]
-    root: Path
+    job: Job  # the checked job, not Hydra's config
     port: int
     threads: int  # intra-op threads per CPU rank: the job's, divided among the ranks
-    on_cuda: bool
     parent_run_id: str | None
     log_level: int
 
 
-def _spawned(rank: int, job: RankJob) -> None:
-    me = Rank(rank, job.config.runtime.world_size, rank, job.root)
-    _handle_signals(job.root)
+def _spawned(rank: int, start: RankStart) -> None:
+    job = start.job
+    me = Rank(rank, job.config.runtime.world_size, rank, job.run_dir)
+    _handle_signals(job.run_dir)
     _end_with_parent()
-    _log_to(me, job.log_level)
-    torch.set_num_threads(job.threads)
+    _log_to(me, start.log_level)
+    torch.set_num_threads(start.threads)
     try:
-        _join(me, f"tcp://127.0.0.1:{job.port}", job.config, job.on_cuda)
-        run_rank(me, job.config, job.hf_config, job.name, job.dtype, job.overrides, job.parent_run_id)
+        _join(me, f"tcp://127.0.0.1:{start.port}", job.config, job.device.type == "cuda")
+        run_rank(me, job, start.parent_run_id)
     except RunFailed as exc:
         log.error("run failed: %s", exc)
         sys.exit(exc.exit_code)
@@ -253,23 +249,19 @@ def _spawned(rank: int, job: RankJob) -> None:
         sys.exit(130)
 
 
-def launch(
-    config: PipelineConfig, hf_config, root: Path, name, dtype, overrides, on_cuda: bool, parent_run_id
-) -> None:
+def launch(job: Job, parent_run_id: str | None) -> None:
     """Spawn runtime.world_size ranks on this host and supervise them to the end: returns when all
     finished; RunFailed naming the first rank that failed; KeyboardInterrupt when interrupted."""
+    config, root, on_cuda = job.config, job.run_dir, job.device.type == "cuda"
     world = config.runtime.world_size
     threads = max(1, torch.get_num_threads() // world)
-    job = RankJob(
-        config, hf_config, name, dtype, overrides, root, free_port(), threads, on_cuda, parent_run_id,
-        logging.getLogger().getEffectiveLevel(),
-    )  # fmt: skip
+    start = RankStart(job, free_port(), threads, parent_run_id, logging.getLogger().getEffectiveLevel())
     log.info(
         "starting %d ranks (%s)%s; rank k>0 writes %s/rank<k>/",
         world, "NCCL, a GPU each" if on_cuda else "gloo", "" if on_cuda else f", {threads} threads each", root,
     )  # fmt: skip
     context = mp.get_context("spawn")
-    procs = [context.Process(target=_spawned, args=(r, job), name=f"rank{r}") for r in range(world)]
+    procs = [context.Process(target=_spawned, args=(r, start), name=f"rank{r}") for r in range(world)]
     for proc in procs:
         proc.start()
     Supervisor(procs, root, config).wait()
@@ -396,11 +388,10 @@ def _read_json(path: Path) -> dict:
 # -- started by torchrun --------------------------------------------------------------------------
 
 
-def run_under_torchrun(
-    config: PipelineConfig, hf_config, own_dir: Path, name, dtype, overrides, on_cuda: bool
-) -> None:
+def run_under_torchrun(job: Job) -> None:
     """This process is one of torchrun's: join the group from its environment, take rank 0's run
     folder, run the stages. Rank k > 0 moves its log there and drops the folder Hydra made for it."""
+    own_dir, config, on_cuda = job.run_dir, job.config, job.device.type == "cuda"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     _handle_signals(own_dir)
@@ -414,4 +405,4 @@ def run_under_torchrun(
         if own_dir.resolve() != me.root and {p.name for p in own_dir.iterdir()} <= {".hydra", "pipeline.log"}:
             shutil.rmtree(own_dir)  # Hydra's folder for this process: rank 0's is the job's
     log.info("rank %d of %d (torchrun), run folder %s", rank, world, me.run_dir)
-    run_rank(me, config, hf_config, name, dtype, overrides, None)
+    run_rank(me, job, None)

@@ -1,5 +1,8 @@
 """Runs the stages in order: a line per stage with its time, MLflow logging, failure capture.
 
+The one place the stages are run: `Runner(job).run()` for a whole run, and `new_state(job)` then
+`advance(state, until)` for the bench and the tests, which bring a model to a named stage.
+
 A stage that raises ends the job: its stage and a short cause go to the log, to MLflow (tags
 `failed_stage`, `error`; status FAILED) and to `<run_dir>/logs/<stage>_traceback.txt`; everything
 written so far stays. An interrupt ends the run KILLED.
@@ -12,21 +15,19 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from pipeline import parallel, run_identity
-from pipeline.config import PipelineConfig, resolve_attention, resolve_backend
-from pipeline.devices import dtype_name, resolve_device, resolve_dtype
+from pipeline.config import resolve_attention, resolve_backend
+from pipeline.devices import dtype_name
 from pipeline.errors import RunFailed, short_cause
 from pipeline.faults import maybe_pause
 from pipeline.models.zoo import text_config_of
 from pipeline.parallel import Rank
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, profile, report, transforms
-from pipeline.state import RunState, StageRecord, StageResult
+from pipeline.state import Job, RunState, StageRecord, StageResult
 from pipeline.sweep import SUMMARY_FILE, this_sweep
 from pipeline.tracking import Tracker
 
@@ -45,43 +46,65 @@ STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
 ]
 
 
+STAGE_NAMES = [name for name, _ in STAGES]
+
+
+def new_state(job: Job, rank: Rank | None = None) -> RunState:
+    """The state a job's stages start from: the job's config, folder, device (a rank's own GPU)
+    and dtype, with backend=auto and attention=auto resolved for that device."""
+    device = rank.device(job.device) if rank is not None else job.device
+    (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    on_cuda = device.type == "cuda"
+    return RunState(
+        cfg=job.config,
+        run_dir=job.run_dir,
+        device=device,
+        dtype=job.dtype,
+        backend=resolve_backend(job.config, on_cuda),
+        attention=resolve_attention(job.config.attention.name, on_cuda),
+        hf_config=job.hf_config,
+        rank=rank,
+    )
+
+
+def run_stage(state: RunState, name: str) -> StageResult:
+    """One stage on the state, recorded in state.stages with its time, notes, metrics and tags."""
+    t0, started_ns = time.perf_counter(), time.time_ns()
+    result = dict(STAGES)[name](state)
+    seconds = time.perf_counter() - t0
+    metrics = {f"stage/{name}_s": seconds, **result.metrics}
+    state.stages.append(
+        StageRecord(name, "done", seconds, result.notes, metrics, result.tags, started_ns=started_ns)
+    )
+    return result
+
+
+def advance(state: RunState, until: str) -> RunState:
+    """The stages after the last one the state has done, through `until`, without tracking or
+    logging: how the bench and the tests bring a model to a stage. A stage that fails raises."""
+    if until not in STAGE_NAMES:
+        raise ValueError(f"no stage {until!r}; the stages are {', '.join(STAGE_NAMES)}")
+    done = sum(1 for record in state.stages if record.status == "done")
+    for name in STAGE_NAMES[done : STAGE_NAMES.index(until) + 1]:
+        run_stage(state, name)
+    return state
+
+
 class Runner:
-    def __init__(
-        self,
-        cfg: PipelineConfig,
-        run_dir: Path,
-        hf_config,
-        name: str | None = None,
-        dtype: torch.dtype | None = None,
-        overrides: list[str] | None = None,
-        rank: Rank | None = None,
-        parent_run_id: str | None = None,
-    ):
-        """name: the MLflow run name (a sweep passes its swept values); default from the config.
-        dtype: as resolved before loading (dtype=auto may pick bfloat16 to fit); default from cfg.
-        overrides: the command line's, logged as a param.
-        rank: this process's place among tensor-parallel ranks (pipeline/ranks.py): rank 0 keeps
+    """A whole run of a job: every stage in order, each logged and tracked, a failure recorded."""
+
+    def __init__(self, job: Job, rank: Rank | None = None, parent_run_id: str | None = None):
+        """rank: this process's place among tensor-parallel ranks (pipeline/ranks.py): rank 0 keeps
         the MLflow run, the others only their folder. parent_run_id: the sweep's MLflow run;
         default: the one Hydra's sweep callback opened (a spawned rank has no Hydra)."""
-        device = resolve_device(cfg.device)
-        if rank is not None:
-            device = rank.device(device)
-        self.state = RunState(
-            cfg=cfg,
-            run_dir=run_dir,
-            device=device,
-            dtype=dtype or resolve_dtype(cfg.dtype, device),
-            backend=resolve_backend(cfg, device.type == "cuda"),
-            attention=resolve_attention(cfg.attention.name, device.type == "cuda"),
-            hf_config=hf_config,
-            rank=rank,
-        )
-        self.name = name or run_identity.run_name(cfg, self.state.backend)
-        self.overrides = overrides or []
+        cfg = job.config
+        self.state = new_state(job, rank)
+        self.name = job.name or run_identity.run_name(cfg, self.state.backend)
+        self.overrides = list(job.overrides)
         self.rank = rank
         self.parent_run_id = parent_run_id if rank is not None else this_sweep().get("parent_run_id")
         tracked = cfg.tracking.enabled and (rank is None or rank.rank == 0)
-        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, run_dir, tracked)
+        self.tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, job.run_dir, tracked)
 
     def _tags(self) -> dict[str, str]:
         cfg, state = self.state.cfg, self.state
@@ -118,14 +141,14 @@ class Runner:
         self.tracker.log_dict(OmegaConf.to_container(OmegaConf.structured(state.cfg)), "config.yaml")
         self.tracker.log_artifact(state.run_dir / ".hydra")
         start = time.perf_counter()
-        for name, stage in STAGES:
+        for name in STAGE_NAMES:
             log.info("[%s] ...", name)
             t0, started_ns = time.perf_counter(), time.time_ns()
             if self.rank is not None:
                 parallel.write_progress(self.rank, name, self.tracker.run_id)
             try:
                 maybe_pause(name)
-                result = stage(state)
+                result = run_stage(state, name)
             except KeyboardInterrupt:
                 self._ending()
                 log.error(
@@ -148,15 +171,11 @@ class Runner:
                 )
                 self._fail(name, cause, status="FAILED")
                 raise RunFailed(name, cause) from exc
-            seconds = time.perf_counter() - t0
-            metrics = {f"stage/{name}_s": seconds, **result.metrics}
-            state.stages.append(
-                StageRecord(name, "done", seconds, result.notes, metrics, result.tags, started_ns=started_ns)
-            )
-            for note in result.notes:
+            record = state.stages[-1]
+            for note in record.notes:
                 log.info("[%s] %s", name, note)
-            log.info("[%s] done in %.1f s", name, seconds)
-            self._log_result(metrics, result)
+            log.info("[%s] done in %.1f s", name, record.seconds)
+            self._log_result(record.metrics, result)
         self.tracker.log_metrics({"stage/total_s": time.perf_counter() - start})
         self._log_other_ranks()
         report_page = state.run_dir / "report" / "report.html"

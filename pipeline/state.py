@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.config import PipelineConfig
+from pipeline.devices import free_memory
 from pipeline.export.graph_capture import CapturedGraph
 from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import ExampleInputs
@@ -18,9 +19,22 @@ from pipeline.transforms.registry import TransformHistory
 if TYPE_CHECKING:  # the modules that fill these fields import this one
     from transformers import PretrainedConfig
 
-    from pipeline.correctness import Reference
     from pipeline.runtime.engine import DemoLLM, Generation
     from pipeline.runtime.requests import Sources
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job as checked before any model is built: what a run, each tensor-parallel rank and the
+    bench start from (pickled whole into a spawned rank)."""
+
+    config: PipelineConfig
+    hf_config: PretrainedConfig
+    run_dir: Path
+    dtype: torch.dtype  # as resolved before loading (dtype=auto may pick bfloat16 to fit)
+    device: torch.device  # a rank takes its own GPU of this type (Rank.device)
+    name: str | None = None  # the MLflow run name (a sweep's swept values); None: from the config
+    overrides: tuple[str, ...] = ()  # the command line's, logged as a param
 
 
 @dataclass
@@ -47,6 +61,14 @@ class CorrectnessCheck:
     @property
     def passed(self) -> bool:
         return self.max_abs_err <= self.tolerance
+
+
+@dataclass
+class Reference:
+    """The eager model's outputs on the check calls, computed once before the first change."""
+
+    logits: dict[str, torch.Tensor]  # call -> eager logits [B, S, V]
+    router_near_ties: dict[str, torch.Tensor]  # call -> [B, S] bool, tokens with a near-tie routing
 
 
 @dataclass
@@ -103,3 +125,10 @@ class RunState:
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
     rank: Rank | None = None  # among tensor-parallel ranks (runtime.world_size > 1); None: one process
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)
+
+    def release(self) -> None:
+        """Let go of everything that holds the model's tensors (the model, its graphs, the reference,
+        the engine), so the next model built in this process has the memory."""
+        self.model = self.engine = self.generation = self.reference = self.example_inputs = None
+        self.captured, self.check_calls = [], {}
+        free_memory()

@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline import run_identity
 from pipeline.report.document import Image, Section, Table, write
@@ -109,12 +109,6 @@ def job_name(task_overrides: list[str], keys: dict[str, list[str]]) -> str | Non
     `qwen3·partial` for model=tiny_qwen3 in a sweep of model=tiny_qwen3,tiny_gemma2 x capture."""
     values = job_values(task_overrides, list(keys))
     return run_identity.child_name(list(values.items()), keys) if values else None
-
-
-def _job_config(config: DictConfig) -> DictConfig:
-    plain = OmegaConf.to_container(config, resolve=False)
-    plain.pop("hydra", None)
-    return OmegaConf.create(plain)
 
 
 def read_jobs(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -33,6 +33,8 @@ from pipeline.graphs import find_language_models
 from pipeline.models import build, meta, probe, zoo
 from pipeline.models.inputs import make_example_inputs
 from pipeline.parallel import free_port
+from pipeline.runner import advance, new_state
+from pipeline.state import Job
 from pipeline.transforms.registry import TransformContext
 
 # The kernel choices tests time (kernels/linear_choice.py) go to a file of the suite's own, never
@@ -94,6 +96,27 @@ def capture_tiny(model, hf_config, examples, paths: list[str] | None = None):
         model, lm_paths[0] if len(lm_paths) == 1 else "", examples.text["input_ids"][:1, :2]
     )
     return graph_capture.capture(model, paths, examples.image or examples.text, offset)
+
+
+def job_of(overrides: list[str], run_dir: Path, dtype=torch.float32, device: str = "cpu") -> Job:
+    """The job `python -m pipeline OVERRIDES` would run, in run_dir (the config not validated)."""
+    cfg = compose_cfg(overrides)
+    return Job(
+        cfg, zoo.build_hf_config(cfg.model), run_dir, dtype, torch.device(device), overrides=tuple(overrides)
+    )
+
+
+@contextlib.contextmanager
+def staged(overrides: list[str], until: str, run_dir: Path | None = None, dtype=torch.float32):
+    """The runner's state for OVERRIDES advanced through stage `until`, its files in run_dir (a
+    temporary folder, removed afterwards, where none is given); released afterwards."""
+    with contextlib.ExitStack() as stack:
+        folder = run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        state = new_state(job_of(overrides, folder, dtype))
+        try:
+            yield advance(state, until)
+        finally:
+            state.release()
 
 
 def pytest_collection_modifyitems(items):

@@ -109,3 +109,51 @@ def test_graph_modules_carry_no_loose_pipeline_attributes():
                     ) and not (isinstance(base, ast.Name) and base.id == "record"):
                         offenders.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("pipeline", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every pipeline module a file imports, type-only and function-level imports included; a
+    `from package import name` counts the submodule where `name` is one."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if name.startswith("pipeline")}
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports, within a package or across (a type-only import
+    counts: the circle is in the design either way)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {m for m in _all_imports(path) if m in modules and m != name} for name, path in modules.items()
+    }
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    # a package's __init__ importing its own modules is how a package is assembled, not a circle
+    graph = {
+        name: {m for m in deps if not (name in packages and m.startswith(name + "."))}
+        for name, deps in graph.items()
+    }
+    circles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "\n".join(circles)

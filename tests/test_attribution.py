@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, TINY_MODELS, layer_kernel_pct
+from conftest import TINY_FAMILIES, TINY_MODELS, layer_kernel_pct, staged
 from torch import fx
 
-from pipeline.bench.prepare import advance, new_state, release
 from pipeline.profiler import cudagraphs, provenance, tree
 from pipeline.profiler.categories import Categorizer
 from pipeline.profiler.events import DeviceEvent, ModuleSpan, OpEvent, Window
@@ -135,13 +134,9 @@ def _profiled(name: str, backend: str, tmp_path, *extra: str) -> tuple[dict, str
         "profile.decode_steps=2",
         *extra,
     ]
-    state = new_state(overrides, torch.float32, torch.device("cpu"), tmp_path)
-    try:
-        advance(state, "load", "export", "transforms", "capture", "generate", "profile")
+    with staged(overrides, "profile", tmp_path) as state:
         path = state.captured[0].path
         return json.loads((tmp_path / "profile" / "profile.json").read_text()), (path + "." if path else "")
-    finally:
-        release(state)
 
 
 def _walk(node: dict):

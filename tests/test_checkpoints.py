@@ -13,16 +13,25 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import save_checkpoint
-from conftest import TINY_MODELS, TINY_MOE, build_tiny, compose_dict, generated_tokens, run_pipeline
+from conftest import (
+    TINY_MODELS,
+    TINY_MOE,
+    build_tiny,
+    compose_dict,
+    generated_tokens,
+    job_of,
+    run_pipeline,
+    staged,
+)
 from PIL import Image
 from test_runtime import hf_inputs
 from two_ranks import spawn
 
 from pipeline.__main__ import check_config
-from pipeline.bench.prepare import advance, new_state, prepared, release
 from pipeline.errors import ConfigError, StageFailure
 from pipeline.models import checkpoint, zoo
 from pipeline.models.deferred import DeferredWeights
+from pipeline.runner import advance, new_state, run_stage
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
@@ -109,9 +118,7 @@ def test_a_checkpoint_folder_generates_what_hugging_face_generates(name, dtype, 
         checked.model_cls.__name__
         == json.loads((folders[name] / "config.json").read_text())["architectures"][0]
     )
-    state = new_state(overrides, dtype, torch.device("cpu"), tmp_path)
-    try:
-        advance(state, "load", "export", "transforms")
+    with staged(overrides, "transforms", tmp_path, dtype) as state:
         if name in LANGUAGE_MODEL:  # found by structure, though from_pretrained copied the configs
             assert state.model_info.language_model_paths == [LANGUAGE_MODEL[name]]
             assert [c.path for c in state.captured] == [LANGUAGE_MODEL[name]]
@@ -126,14 +133,11 @@ def test_a_checkpoint_folder_generates_what_hugging_face_generates(name, dtype, 
         )
         tokens = engine.generate(requests, 6, SamplingParams(), seed=0).tokens
         assert tokens == _hf_reference(checked.model_cls, folders[name], requests, dtype, 6)
-    finally:
-        release(state)
 
 
 def _generate_on_rank(rank: int, overrides: list[str]) -> dict:
     """The stages through generate on this rank; its tokens, the requests and the regions split."""
-    stages = ("load", "export", "transforms", "capture", "generate")
-    with prepared(overrides, torch.float32, torch.device("cpu"), stages) as state:
+    with staged(overrides, "generate") as state:
         cfg = state.cfg
         requests = build_requests(
             cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources
@@ -250,7 +254,7 @@ def _copy(folder: Path, into: Path) -> Path:
 def _load(folder: Path, tmp_path: Path, *extra: str):
     overrides = ["model=hf", f"model.checkpoint={folder}", *extra]
     check_config(compose_dict(overrides), cuda_available=False)
-    state = new_state(overrides, torch.float32, torch.device("cpu"), tmp_path / "run")
+    state = new_state(job_of(overrides, tmp_path / "run"))
     return state, advance(state, "load")
 
 
@@ -274,23 +278,17 @@ def test_weights_the_model_does_not_use_are_reported(folders, tmp_path):
     state, _ = _load(folders["tiny_magistral"], tmp_path, "+model.model_kwargs.num_hidden_layers=1")
     record = state.model_info
     assert record.source == str(folders["tiny_magistral"]) and state.model.config.num_hidden_layers == 1
-    release(state)
-    from pipeline.stages import load
-
-    state = new_state(
-        [
-            "model=hf",
-            f"model.checkpoint={folders['tiny_magistral']}",
-            "+model.model_kwargs.num_hidden_layers=1",
-        ],
-        torch.float32,
-        torch.device("cpu"),
-        tmp_path / "again",
-    )
-    result = load.run(state)
+    state.release()
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={folders['tiny_magistral']}",
+        "+model.model_kwargs.num_hidden_layers=1",
+    ]
+    state = new_state(job_of(overrides, tmp_path / "again"))
+    result = run_stage(state, "load")
     assert result.metrics["model/unused_checkpoint_weights"] == 9  # 7 linears and 2 norms of layer 1
     assert any("model.layers.1." in note for note in result.notes)
-    release(state)
+    state.release()
 
 
 def test_a_missing_shard_is_refused_up_front_naming_the_file(folders, tmp_path):
@@ -310,7 +308,7 @@ def test_skip_loading_weights_runs_the_folders_config_with_random_weights(folder
     state, _ = _load(folder, tmp_path, "model.skip_loading_weights=true")
     assert state.model_info.source == f"random (seed 0), config from {folder}"
     assert state.model_info.language_model_paths == ["model.language_model"]
-    release(state)
+    state.release()
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,11 @@ CLI_CASES = {
     ),
     "page multiple": (["runtime.max_seq_len=8100"], "runtime.max_seq_len=8100", "attn_page_size"),
     "world size": (["runtime.world_size=4"], "runtime.world_size=4", "num_key_value_heads=2"),
+    "transform order": (
+        ["transforms=none", "+transforms.fuse_add_rmsnorm={}", "+transforms.match_rmsnorm={}"],
+        "match_rmsnorm must run before fuse_add_rmsnorm",
+        "put transforms.match_rmsnorm above transforms.fuse_add_rmsnorm",
+    ),
 }
 
 

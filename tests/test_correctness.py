@@ -7,7 +7,7 @@ from conftest import build_tiny
 from torch import nn
 
 from pipeline import correctness
-from pipeline.state import RunState, StageResult
+from pipeline.state import Reference, RunState, StageResult
 
 
 def test_near_ties_are_margins_of_a_few_ulps():
@@ -37,7 +37,7 @@ def _state(reference: torch.Tensor, near: torch.Tensor, model: nn.Module) -> Run
         cfg=None, run_dir=None, device=torch.device("cpu"), dtype=torch.bfloat16, backend="", attention=""
     )
     state.check_calls = {"text": {}}
-    state.reference = correctness.Reference({"text": reference}, {"text": near})
+    state.reference = Reference({"text": reference}, {"text": near})
     state.model = model
     return state
 

@@ -4,32 +4,23 @@ checked against the count the model's config gives (at batch 1 a token reads exa
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import staged
 
-from pipeline.bench.prepare import advance, new_state, release
-from pipeline.stages import generate
+from pipeline.runner import run_stage
 
 FP32 = 4
 
 
 def _generate(tmp_path, *overrides: str):
-    state = new_state(
-        [
-            "model=tiny_mixtral",
-            "backend=torch-simple",
-            "prompt.prompt_len=6",
-            "prompt.output_len=5",
-            *overrides,
-        ],
-        torch.float32,
-        torch.device("cpu"),
-        tmp_path,
-    )
-    try:
-        advance(state, "load", "export", "transforms", "capture")
-        return state.model_info.decode_bytes, generate.run(state), state.hf_config
-    finally:
-        release(state)
+    overrides = [
+        "model=tiny_mixtral",
+        "backend=torch-simple",
+        "prompt.prompt_len=6",
+        "prompt.output_len=5",
+        *overrides,
+    ]
+    with staged(overrides, "capture", tmp_path) as state:
+        return state.model_info.decode_bytes, run_stage(state, "generate"), state.hf_config
 
 
 def _expert_bytes(cfg) -> int:

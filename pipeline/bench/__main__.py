@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -22,37 +21,10 @@ import torch
 from pipeline import REPO_ROOT
 from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, tensor_parallel
 from pipeline.bench.load import SPILL_FRACTION, TOUCH_HEADROOM, bench_load
+from pipeline.bench.machine import machine
 from pipeline.bench.prepare import prepared
 from pipeline.export import graph_capture
-from pipeline.kernels import cpu_gemv, host
 from pipeline.runtime.machine_load import MachineLoad
-
-
-def machine() -> dict[str, str]:
-    import transformers
-
-    return {
-        "cpu": host.cpuinfo_field("model name") or platform.processor() or "unknown",
-        "isa": cpu_isa(),
-        "cores": str(torch.get_num_threads()),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
-# The vector extensions a CPU's kernels choose between: CPUs sold under one model name differ in
-# them, and bfloat16 matmul runs through oneDNN only with AVX-512 (else ATen's far slower loops).
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_isa() -> str:
-    """The ISA_FLAGS /proc/cpuinfo lists, and whether oneDNN runs bfloat16 here: two runs on hosts
-    that differ in these ran different kernels, and their ratios do not compare."""
-    flags = cpu_gemv.cpu_flags()
-    bf16 = cpu_gemv.onednn_bf16()
-    return " ".join([f for f in ISA_FLAGS if f in flags] + [f"onednn_bf16={'yes' if bf16 else 'no'}"])
 
 
 def bench_export(name: str, repeats: int) -> dict:
@@ -235,7 +207,7 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
 
 
 def _noisy(value) -> str:
-    """` NOISY` after a per-round ratio that spread too wide to be a result (rounds.NOISY_SPREAD)."""
+    """` NOISY` after a per-round ratio that spread too wide to be a result (rounds.NOISY_ROUND_SPREAD)."""
     return " NOISY" if isinstance(value, dict) and rounds.is_noisy(value) else ""
 
 

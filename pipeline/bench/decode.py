@@ -19,7 +19,7 @@ import torch
 from pipeline.bench import rounds
 from pipeline.bench.child import in_child
 from pipeline.bench.limits import ReadLimit, WeightPass
-from pipeline.bench.prepare import advance, engine_of, prepared
+from pipeline.bench.prepare import engine_of, prepared
 from pipeline.devices import dtype_name, sync
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.kernels import cpu_gemv
@@ -28,6 +28,7 @@ from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.models.memory import decode_weights
 from pipeline.ops import moe_reference
+from pipeline.runner import advance
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import Request
 from pipeline.runtime.routed_bytes import routed_decode_bytes
@@ -89,7 +90,7 @@ def measure_decode(
             b: random_ids((b, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
             for b in batches
         }
-        engine = engine_of(advance(state, "export", "transforms"))
+        engine = engine_of(advance(state, "transforms"))
         lm_paths = state.model_info.language_model_paths
         weights = decode_weights(state.model, lm_paths[0] if lm_paths else "")
         limits = {"read": read.measure}
@@ -339,7 +340,7 @@ def _backend_runners(state, batch, prompt_len, steps, backends, stepped, without
     # HF's copy: the transforms rewrite eager modules too (onednn_linear's lm_head), and the HF
     # rows must run Hugging Face's model as it is.
     hf_model = copy.deepcopy(state.model)
-    engine = engine_of(advance(state, "export", "transforms"))
+    engine = engine_of(advance(state, "transforms"))
     text_config = zoo.text_config_of(state.hf_config)
     generator = torch.Generator().manual_seed(0)
     prompts = random_ids((batch, prompt_len), text_config.vocab_size, special_ids(state.hf_config), generator)
@@ -489,7 +490,7 @@ def markdown(result: dict) -> list[str]:
         f"batch below). A step reads {result['weight_bytes'] / 1e9:.2f} GB of weights (decoder layers, "
         f"final norm, lm_head); each cell is the median over rounds (p10-p90) of the round's median "
         f"step, and every ratio is taken within a round. {_target(result)} NOISY names a figure whose "
-        f"per-round values spread over {rounds.NOISY_SPREAD:.2f}x (p90/p10): not a result.",
+        f"per-round values spread over {rounds.NOISY_ROUND_SPREAD:.2f}x (p90/p10): not a result.",
         "",
         "| batch | runner | ms/step | x HF eager (per round) | % of read limit | % of GEMV pass | |",
         "|---|---|---|---|---|---|---|",

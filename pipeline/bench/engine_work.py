@@ -86,8 +86,7 @@ def bench_engine_work(
     name: str, batches: list[int], backends: list[str], steps: int = 8, repeats: int = 5
 ) -> dict:
     """Per backend and batch: ops per decode step outside the captured graph, and the host's time."""
-    stages = ("load", "export", "transforms")
-    with prepared([f"model={name}"], torch.float32, torch.device("cpu"), stages) as state:
+    with prepared([f"model={name}"], torch.float32, torch.device("cpu"), "transforms") as state:
         rows = _rows(engine_of(state), find_graphs(state.model), state.cfg.runtime, state.hf_config,
                      batches, backends, steps, repeats)  # fmt: skip
     return {"model": name, "steps": steps, "repeats": repeats, "rows": rows}

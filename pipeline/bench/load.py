@@ -35,9 +35,10 @@ import torch
 
 from pipeline.bench import rounds
 from pipeline.bench.child import in_child
-from pipeline.bench.prepare import advance, new_state
+from pipeline.bench.prepare import job
 from pipeline.models import meta, zoo
 from pipeline.models.build import first_touch
+from pipeline.runner import advance, new_state
 from pipeline.runtime.host_memory import keep_all_freed_memory
 
 LOAD_TARGET_S = 15.0
@@ -141,7 +142,7 @@ def first_load(name: str, which: str, touched: bool) -> tuple[float, int, float,
     the touch's (else 0). The config is composed and the class imported (its modeling module)
     before either clock; the page faults are the load's alone."""
     with tempfile.TemporaryDirectory() as tmp:
-        state = new_state([f"model={name}", "seed=0"], torch.float32, torch.device("cpu"), Path(tmp))
+        state = new_state(job([f"model={name}", "seed=0"], torch.float32, torch.device("cpu"), Path(tmp)))
         model_cls = zoo.resolve_model_class(state.cfg.model, state.hf_config)
         touch_s = 0.0
         if touched:

@@ -37,7 +37,7 @@ def prefill_flops(text_config, tokens: int) -> float:
 
 def bench_prefill(name: str, token_counts: list[int], repeats: int) -> dict:
     cpu = torch.device("cpu")
-    with prepared([f"model={name}"], torch.float32, cpu, ("load", "export", "transforms")) as state:
+    with prepared([f"model={name}"], torch.float32, cpu, "transforms") as state:
         rows = _rows(state, token_counts, repeats)
     return {"model": name, "rows": rows}
 

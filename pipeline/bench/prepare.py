@@ -1,7 +1,6 @@
-"""The model a benchmark measures, prepared by the pipeline's own stages, so the bench measures what
-`python -m pipeline` runs: the composed, typed config, then `load`, and on request the later stages
-(`export`, `transforms` with their correctness checks, ...) on a RunState whose files go to a
-temporary folder. Tests use it to run stages in-process."""
+"""The model a benchmark measures, brought to a stage by the pipeline's own runner, so the bench
+measures what `python -m pipeline` runs: the composed, typed config as a Job, then
+`runner.advance` to the stage asked for, on a state whose files go to a temporary folder."""
 
 from __future__ import annotations
 
@@ -15,21 +14,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from pipeline import REPO_ROOT
-from pipeline.config import PipelineConfig, register_schemas, resolve_attention, resolve_backend, typed
-from pipeline.devices import free_memory
+from pipeline.config import PipelineConfig, register_schemas, typed
 from pipeline.models import zoo
+from pipeline.runner import advance, new_state
 from pipeline.runtime.engine import DemoLLM
-from pipeline.stages import capture, export, generate, load, profile, transforms
-from pipeline.state import RunState
-
-STAGES = {
-    "load": load.run,
-    "export": export.run,
-    "transforms": transforms.run,
-    "capture": capture.run,
-    "generate": generate.run,
-    "profile": profile.run,
-}
+from pipeline.state import Job, RunState
 
 
 def compose(overrides: list[str]) -> PipelineConfig:
@@ -38,47 +27,25 @@ def compose(overrides: list[str]) -> PipelineConfig:
         return typed(hydra_compose(config_name="config", overrides=overrides))
 
 
-def new_state(overrides: list[str], dtype: torch.dtype, device: torch.device, run_dir: Path) -> RunState:
+def job(overrides: list[str], dtype: torch.dtype, device: torch.device, run_dir: Path) -> Job:
+    """The job `python -m pipeline OVERRIDES` would run, in `run_dir`."""
     cfg = compose(overrides)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    on_cuda = device.type == "cuda"
-    return RunState(
-        cfg,
-        run_dir,
-        device,
-        dtype,
-        backend=resolve_backend(cfg, on_cuda),
-        attention=resolve_attention(cfg.attention.name, on_cuda),
-        hf_config=zoo.build_hf_config(cfg.model),
-    )
-
-
-def advance(state: RunState, *stages: str) -> RunState:
-    """Run the named stages on the state, in the order given."""
-    for name in stages:
-        STAGES[name](state)
-    return state
+    return Job(cfg, zoo.build_hf_config(cfg.model), run_dir, dtype, device, overrides=tuple(overrides))
 
 
 @contextlib.contextmanager
 def prepared(
-    overrides: list[str], dtype: torch.dtype, device: torch.device, stages: tuple[str, ...] = ("load",)
+    overrides: list[str], dtype: torch.dtype, device: torch.device, until: str = "load"
 ) -> Iterator[RunState]:
-    """A RunState after `stages`. Afterwards its run folder (the stages' files) is removed and the
-    state lets go of everything that holds weights, so the next model the bench loads has the memory
-    (the captured graphs, the reference and the engine hold the model's tensors too)."""
+    """A RunState advanced through `until`. Afterwards its run folder (the stages' files) is removed
+    and the state lets go of everything that holds weights, so the next model the bench loads has
+    the memory (the captured graphs, the reference and the engine hold the model's tensors too)."""
     with tempfile.TemporaryDirectory() as tmp:
-        state = new_state(overrides, dtype, device, Path(tmp))
+        state = new_state(job(overrides, dtype, device, Path(tmp)))
         try:
-            yield advance(state, *stages)
+            yield advance(state, until)
         finally:
-            release(state)
-
-
-def release(state: RunState) -> None:
-    state.model = state.engine = state.generation = state.reference = state.example_inputs = None
-    state.captured, state.check_calls = [], {}
-    free_memory()
+            state.release()
 
 
 def engine_of(state: RunState) -> DemoLLM:

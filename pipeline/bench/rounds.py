@@ -20,7 +20,7 @@ from pipeline.runtime.machine_load import quantile
 # A row whose per-round ratio spreads wider than this (p90 / p10) is marked noisy, not a result.
 # Set from rounds of small_mistral with and without busy processes beside the bench: quiet rounds'
 # ratios spread below it, disturbed ones above it.
-NOISY_SPREAD = 1.2
+NOISY_ROUND_SPREAD = 1.2
 
 Sample = tuple[float, float]  # (decode step s, prefill s)
 
@@ -43,7 +43,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def is_noisy(values: dict[str, float]) -> bool:
-    return values["p10"] > 0 and values["p90"] / values["p10"] > NOISY_SPREAD
+    return values["p10"] > 0 and values["p90"] / values["p10"] > NOISY_ROUND_SPREAD
 
 
 def take_turns(

@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from pipeline import REPO_ROOT
 from pipeline.bench import rounds
 from pipeline.bench.limits import ReadLimit
+from pipeline.bench.machine import machine
 from pipeline.bench.prepare import engine_of, prepared
 from pipeline.graphs import eager_graphs
 from pipeline.models import zoo
@@ -111,7 +112,7 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
         limit = ReadLimit(READ_LIMIT_GIB, device)
         dtype = getattr(torch, args["dtype"])
         overrides = [f"model={args['model']}", "capture=partial", "backend=torch-simple", *extra]
-        with prepared(overrides, dtype, device, ("load", "export", "transforms", "capture")) as state:
+        with prepared(overrides, dtype, device, "capture") as state:
             engine = engine_of(state)
             text = zoo.text_config_of(state.hf_config)
             generator = torch.Generator().manual_seed(0)
@@ -193,7 +194,6 @@ def bench(args: dict) -> dict:
         slices = ["runtime.tp_weights=shard"]
         blocks.append(run_block(f"world {world}, only its slices allocated", world, args, slices))
     blocks.append(run_block("world 1 again", 1, args))
-    from pipeline.bench.__main__ import machine  # that module renders this one's table: imported late
 
     return {**args, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "blocks": blocks}
 

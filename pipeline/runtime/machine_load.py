@@ -22,7 +22,7 @@ from pipeline.devices import sync
 # A measurement is `noisy` when others kept this many cores busy on average during it ...
 NOISY_OTHER_CORES = 0.5
 # ... or when its steps spread this far (p90 / p10 of the timed decode steps).
-NOISY_SPREAD = 1.5
+NOISY_STEP_SPREAD = 1.5
 MIN_SPREAD_STEPS = 5  # a spread of fewer steps says nothing
 
 
@@ -91,8 +91,8 @@ def noise_verdict(other_cores: float, step_ms: list[float]) -> tuple[bool, str]:
         reasons.append(f"other processes kept {other_cores:.2f} cores busy (> {NOISY_OTHER_CORES})")
     if len(step_ms) >= MIN_SPREAD_STEPS and quantile(step_ms, 0.1) > 0:
         spread = quantile(step_ms, 0.9) / quantile(step_ms, 0.1)
-        if spread > NOISY_SPREAD:
-            reasons.append(f"decode steps spread p90/p10 = {spread:.2f} (> {NOISY_SPREAD})")
+        if spread > NOISY_STEP_SPREAD:
+            reasons.append(f"decode steps spread p90/p10 = {spread:.2f} (> {NOISY_STEP_SPREAD})")
     return bool(reasons), "; ".join(reasons)
 
 

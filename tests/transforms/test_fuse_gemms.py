@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import torch
+from conftest import staged
 
-from pipeline.bench.prepare import advance, prepared
 from pipeline.graphs import eager_graphs
+from pipeline.runner import advance
 
 
 def test_replaced_weights_become_views_of_the_fused_weight():
-    with prepared(["model=tiny_mistral3"], torch.float32, torch.device("cpu")) as state:
+    with staged(["model=tiny_mistral3"], "load") as state:
         attention = state.model.model.language_model.layers[0].self_attn
         q, k = attention.q_proj.weight, attention.k_proj.weight
         before = (q.clone(), k.clone())
-        advance(state, "export", "transforms")
+        advance(state, "transforms")
         fused = next(p for n, p in state.model.named_parameters() if "fused_q_proj_k_proj_v_proj" in n)
         with eager_graphs(state.model) as eager:
             eager_attention = eager.model.language_model.layers[0].self_attn

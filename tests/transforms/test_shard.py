@@ -7,16 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SEED_MODELS, compose_cfg, generated_tokens
+from conftest import SEED_MODELS, compose_cfg, generated_tokens, staged
 from transform_helpers import captured
 from two_ranks import WORLD, spawn
 
-from pipeline.bench.prepare import prepared
 from pipeline.graphs import find_graphs
 from pipeline.transforms import registry
 from pipeline.transforms.shard import ALL_REDUCE
-
-STAGES = ("load", "export", "transforms", "capture", "generate")
 
 
 def _layer_linear_numel(module: torch.nn.Module) -> int:
@@ -60,7 +57,7 @@ def _sharded(name: str, overrides: list[str] = ()) -> list[dict]:
 def _generate(overrides: list[str]) -> tuple[dict[int, list[int]], int]:
     """The pipeline's stages through generate, in this process: the greedy tokens per request and
     the regions split."""
-    with prepared(overrides, torch.float32, torch.device("cpu"), STAGES) as state:
+    with staged(overrides, "generate") as state:
         return generated_tokens(state.run_dir), state.transform_history.matches("shard")
 
 
@@ -82,7 +79,7 @@ def _slices_then_whole(rank: int, overrides: list[str]) -> dict:
     """Both ranks run the stages holding only their slices (runtime.tp_weights=shard); then rank
     0, alone, the same model whole."""
     shard = [*overrides, "runtime.tp_weights=shard"]
-    with prepared(shard, torch.float32, torch.device("cpu"), STAGES) as state:
+    with staged(shard, "generate") as state:
         ran = dict(
             tokens=generated_tokens(state.run_dir),
             loaded=state.model_info.bytes,  # what load allocated
@@ -94,7 +91,7 @@ def _slices_then_whole(rank: int, overrides: list[str]) -> dict:
         )
     dist.destroy_process_group()
     if rank == 0:
-        with prepared(overrides, torch.float32, torch.device("cpu"), STAGES) as state:
+        with staged(overrides, "generate") as state:
             ran |= dict(reference=generated_tokens(state.run_dir), whole=_held_bytes(state.model))
     return ran
 
