@@ -21,6 +21,7 @@ from pipeline.kernels import cpu_gemv
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # its runs take 80-100 s on 2 cores
 def test_bench_cli_runs_a_part_on_a_tiny_model(tmp_path):
     """`python -m pipeline.bench` as a user runs it, on a part of its blocks (the others run in
     process below, each a test of its own: one run of every block passed 300 s under CI's load)."""

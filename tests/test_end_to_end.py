@@ -193,6 +193,7 @@ def test_benchmark_mode_and_capture_none_agree(tmp_path, tracking_uri):
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.timeout(600)  # its runs take 80-100 s on 2 cores
 def test_torch_compile_run_and_capture_fallback(tmp_path, tracking_uri):
     """The default CPU backend (torch-compile) end to end; an injected capture failure fails the
     run at capture, or with backend.fallback=eager runs uncompiled, tagged so nobody mistakes it."""

@@ -100,6 +100,7 @@ def _outcome(overrides: list[str]) -> str | None:
     return None
 
 
+@pytest.mark.timeout(600)  # its runs take 80-100 s on 2 cores
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(override_sets())
 def test_every_config_mistake_is_one_line_naming_a_key(overrides):
@@ -132,6 +133,7 @@ def test_config_mistakes_on_the_command_line_exit_2_with_one_line(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.timeout(600)  # its runs take 80-100 s on 2 cores
 def test_configs_that_validate_run_on_a_tiny_model(tmp_path):
     """Valid draws from the same groups and keys run end to end (seeded, so the same three every
     run; each is a whole pipeline, so three, not five hundred)."""
