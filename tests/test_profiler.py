@@ -184,6 +184,26 @@ def test_read_window_ties_device_events_to_launches():
     assert root.children[("module", "lm.cuda_graph_runner")].device_time_us == pytest.approx(0.080)
 
 
+def test_a_module_outside_the_model_is_no_part_of_it():
+    """A library's function wrapped as an nn.Module (transformers' hub-kernel `Func` around rotary
+    embedding) runs inside a model module: its ops stay with that module, no `<Func>` node."""
+    attention = SimpleNamespace(cls_name="LlamaAttention", self_ptr=3, parameters=[])
+    wrapper = SimpleNamespace(cls_name="Func", self_ptr=99, parameters=[])
+    mul = _Event(_EventType.TorchOp, "aten::mul", 130, 140)
+    func = _Event(_EventType.PyCall, "nn.Module: Func_0", 120, 150, [mul], module=wrapper)
+    attn = _Event(_EventType.PyCall, "nn.Module: LlamaAttention_0", 100, 200, [func], module=attention)
+    prof = SimpleNamespace(
+        profiler=SimpleNamespace(
+            kineto_results=SimpleNamespace(experimental_event_tree=lambda: [attn], events=lambda: [])
+        )
+    )
+    window = events.read_window(prof, {3: "model.layers.0.self_attn"})
+    assert [m.fqn for m in window.modules] == ["model.layers.0.self_attn"]
+    root = tree.model_tree(window, "prefill", CATEGORIES)
+    node = root.children[("module", "model.layers.0.self_attn")]
+    assert [child.name for child in node.children.values()] == ["aten::mul"], node.children
+
+
 def test_module_ranges_wrap_graph_nodes_and_leave_no_trace():
     model, hf_config, examples = build_tiny("tiny_llama3_1_8b")
     model, _ = graph_capture.capture(model, [""], examples.text)

@@ -1,3 +1,1 @@
-"""Model building, configs, inputs; importing it applies the upstream fixes (upstream_fixes.py)."""
-
-from pipeline.models import upstream_fixes  # noqa: F401
+"""Model building from configs and checkpoints, inputs, images and masks, the memory estimate."""

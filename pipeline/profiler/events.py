@@ -102,11 +102,15 @@ def _shapes(event) -> list[list[int]]:
 def _module_span(event, module_names: dict[int, str]) -> ModuleSpan | None:
     if event.tag == _EventType.PyCall:
         module = event.extra_fields.module
-        if module is None:
+        # A module outside the model's tree (a library's function wrapped as an nn.Module, e.g.
+        # transformers' hub-kernel `Func` around rotary embedding) is not a part of the model: its
+        # ops stay with the model's module that called it.
+        if module is None or module.self_ptr not in module_names:
             return None
         params = [(name, [int(s) for s in meta.sizes]) for name, meta, _ in module.parameters or []]
-        fqn = module_names.get(module.self_ptr, f"<{module.cls_name}>")
-        return ModuleSpan(fqn, module.cls_name, params, event.start_time_ns, event.end_time_ns)
+        return ModuleSpan(
+            module_names[module.self_ptr], module.cls_name, params, event.start_time_ns, event.end_time_ns
+        )
     if event.tag == _EventType.TorchOp and (parsed := parse_range(event.name)):
         return ModuleSpan(parsed[0], parsed[1], [], event.start_time_ns, event.end_time_ns)
     return None
