@@ -123,6 +123,13 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         assert _image_loads(page, full, min_width=1000)
         page.screenshot(path=SHOTS / "chart_view.png")
 
+        # The per-part times of both sides (profile stage, layers/*), each a chart of every run
+        page.goto(f"{runs_view}&compareRunsMode=CHART")
+        page.get_by_placeholder("Search metric charts").fill("mlp_ms")
+        for metric in ("layers/decode/mlp_ms", "layers/decode_eager/mlp_ms"):
+            page.get_by_text(metric, exact=True).first.wait_for(timeout=60_000)
+        page.screenshot(path=SHOTS / "chart_view_layers.png")
+
         # Artifact compare: the module tables (log_table) of one model's two capture modes.
         compare_module_tables(
             page, runs_view, parent.info.run_name, "tiny_qwen3", ["qwen3·eager", "qwen3·partial"]

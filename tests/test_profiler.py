@@ -4,6 +4,7 @@ ranges in exported graphs, and the profile stage end to end against eager."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from conftest import (
     layer_kernel_pct,
     mlflow_runs,
     run_pipeline,
+    staged,
 )
 from torch._C._autograd import DeviceType
 from torch._C._profiler import _EventType
@@ -398,3 +400,61 @@ def test_cuda_graph_replays_land_in_their_modules(backend, tmp_path, tracking_ur
     ]
     assert all(c["device_time_us"] > 0 for c in layers)
     assert entry["attribution_pct"]["cudagraph_sequence"] > 50 and entry["layer_coverage_pct"] > 90
+
+
+# vLLM's entry classes (vllm/profiler/layerwise_profile.py), field for field: what its readers,
+# tools/profiler/print_layerwise_table.py and visualize_layerwise_profile.py, build from each node
+@dataclasses.dataclass
+class SummaryStatsEntry:
+    name: str
+    cuda_time_us: float
+    pct_cuda_time: float
+    invocations: int
+
+
+@dataclasses.dataclass
+class ModelStatsEntry:
+    name: str
+    cpu_time_us: float
+    cuda_time_us: float
+    pct_cuda_time: float
+    trace: str
+
+
+def _flatten(entry_cls, roots: list) -> list:
+    """print_layerwise_table.flatten_entries: every node's entry built as entry_cls(**entry)."""
+    out = []
+
+    def visit(node, depth):
+        out.append((entry_cls(**node["entry"]), depth))
+        for child in node["children"]:
+            visit(child, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return out
+
+
+def test_the_profile_in_vllms_layout_loads_through_vllms_entries(tmp_path):
+    overrides = [
+        "model=tiny_llama3_1_8b",
+        "backend=torch-simple",
+        "prompt.output_len=3",
+        "profile.decode_steps=2",
+    ]
+    with staged(overrides, "profile", tmp_path):
+        pass
+    ours = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    theirs = json.loads((tmp_path / "profile" / "vllm_profile.json").read_text())
+    keys = list(theirs)
+    assert keys[0] == "context" and keys[1:] == ["prefill", "decode_1", "decode_2"]  # the steps only
+    context = theirs["context"]
+    assert context["engine_args"] == {"model": "tiny_llama3_1_8b", "tensor_parallel_size": 1}
+    assert {"batch_size", "prompt_len", "output_len"} <= set(context)  # the visualizer's title
+    for phase in keys[1:]:
+        summary = _flatten(SummaryStatsEntry, theirs[phase]["summary_stats"])
+        model = _flatten(ModelStatsEntry, theirs[phase]["model_stats"])
+        ours_total = ours["phases"][phase]["device_time_us"]
+        assert sum(e.cuda_time_us for e, depth in model if depth == 0) == pytest.approx(ours_total, rel=0.01)
+        assert any("self_attn" in e.name for e, _ in summary) and any(e.trace for e, _ in model)
+        assert theirs[phase]["metadata"] == {"num_running_seqs": 1}

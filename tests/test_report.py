@@ -8,7 +8,16 @@ import json
 import pytest
 from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
-from pipeline.report.breakdown import breakdown, kernel_times, module_buckets, top_k
+from pipeline.report.breakdown import (
+    PARTS,
+    breakdown,
+    compared_part,
+    comparison_table,
+    kernel_times,
+    module_buckets,
+    part_of,
+    top_k,
+)
 from pipeline.report.document import Image, Pre, Section, Table, to_html, to_markdown
 
 
@@ -211,3 +220,46 @@ def test_legend_labels_drop_the_wrappers_every_module_repeats():
     assert legend_labels(parts) == ["layers.*.mlp", "lm_head", "vision_tower", "demollm.sample"]
     clash = ["model.norm", "model.language_model.norm"]  # both would read `norm`: kept whole
     assert legend_labels(clash) == clash
+
+
+def test_a_ratio_is_taken_only_of_two_measurable_times():
+    """A part fused away on the captured side (a rounding residue, or nothing) shows both times and
+    no ratio; a part both sides ran shows eager / captured."""
+    rows = {
+        r["part"]: r
+        for r in (
+            compared_part("norm", 1e-9, 176.0),
+            compared_part("plan", 0.0, 0.0),
+            compared_part("mlp", 100_000.0, 150_000.0),
+        )
+    }
+    assert rows["norm"]["speedup"] is None and rows["norm"]["eager_ms"] == 0.176
+    assert rows["plan"]["speedup"] is None
+    assert rows["mlp"]["speedup"] == 1.5
+    table = comparison_table(list(rows.values()), "decode")
+    assert "captured vs Hugging Face generate (eager)" in table
+    norm_line = next(line for line in table.splitlines() if line.startswith("norm "))
+    assert norm_line.split()[-1] == "-"
+
+
+@pytest.mark.parametrize(
+    ("bucket", "part"),
+    [
+        ("model.language_model.layers.*.self_attn", "attention"),
+        ("model.layers.*.mlp", "mlp"),
+        ("language_model.model.layers.*.feed_forward", "mlp"),  # Llama-4's MoE layer
+        ("model.layers.*.input_layernorm", "norms"),
+        ("model.language_model.norm", "norms"),
+        ("lm_head", "lm_head"),
+        ("model.language_model.embed_tokens", "embeddings"),
+        ("model.vision_tower.transformer.layers.*.attention", "vision_tower"),
+        ("model.visual.blocks.0", "vision_tower"),
+        ("model.multi_modal_projector", "projector"),
+        ("demollm.sample", "demollm"),
+        ("(unattributed)", "unattributed"),
+        ("model.language_model (self)", "other"),
+        ("model.layers.* (self)", "other"),
+    ],
+)
+def test_every_module_bucket_has_one_top_level_part(bucket, part):
+    assert part_of(bucket) == part and part in PARTS

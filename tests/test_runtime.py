@@ -122,6 +122,31 @@ def test_capture_none_runs_the_same_loop(name):
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
 
 
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_MOE)
+def test_the_eager_reference_computes_what_hf_generate_does(name):
+    """capture=none's runner, the profile's eager reference: its prefill logits are the first
+    scores of Hugging Face's own generate, and its lm_head computes one row per sequence, as
+    generate's logits_to_keep=1 has it (a reference computing every prompt row would credit
+    capture with lm_head work the captured side never does)."""
+    engine, hf_config = _engine(name, capture="none")
+    request = _requests(hf_config, [13], images=zoo.is_vlm(hf_config))[0]
+    rows = []
+    head = engine.runner.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    try:
+        logits = engine.runner.prefill([Chunk(request, 0, len(request.prompt))])  # [1, V]
+    finally:
+        handle.remove()
+    assert rows == [1]
+    model, _, _ = build_tiny(name)
+    with torch.no_grad():
+        first = model.generate(
+            **hf_inputs(model.config, request), max_new_tokens=1, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        ).logits[0]  # fmt: skip
+    torch.testing.assert_close(logits, first, rtol=0, atol=1e-5)
+
+
 def test_cached_keys_equal_eager_keys():
     """After prefill + k decode steps the paged cache holds, for one sequence, the keys (post-RoPE)
     that HF's own cache holds for the same prefix."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from pipeline.profiler import events, output, ranges, tables, tree
+from pipeline.profiler import events, output, ranges, tables, tree, vllm_layout
 from pipeline.profiler.attribution import Instrumentation, instrumented
 from pipeline.profiler.categories import Categorizer
 from pipeline.runtime.engine import Generation
@@ -214,7 +214,9 @@ def write(
     )
     tables_txt = folder / "tables.txt"
     tables_txt.write_text(printed + "\n")
-    files = [profile_json, model_csv, summary_csv, tables_txt]
+    vllm_json = folder / "vllm_profile.json"  # the same trees as vLLM's layerwise profiler writes them
+    vllm_json.write_text(json.dumps(vllm_layout.vllm_profile(context, phases)))
+    files = [profile_json, model_csv, summary_csv, tables_txt, vllm_json]
     if extra and "comparison" in extra:
         comparison_csv = folder / "comparison.csv"
         output.write_comparison(comparison_csv, extra["comparison"])

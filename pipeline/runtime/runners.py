@@ -129,9 +129,11 @@ class PagedRunner:
 
 
 class EagerRunner:
-    """HF's own cache and attention; a wave of whole prompts left-padded to the longest, as HF
-    generate pads. The padded cache keeps a row per prefilled request: rows of finished requests
-    are fed a token and their outputs dropped."""
+    """What Hugging Face's `generate` runs: HF's own cache and attention, a wave of whole prompts
+    left-padded to the longest, as generate pads, and `logits_to_keep=1` where the model's forward
+    takes it (generate's own rule, `_supports_logits_to_keep`), so the lm_head computes one row per
+    sequence as demollm's does. The padded cache keeps a row per prefilled request: rows of
+    finished requests are fed a token and their outputs dropped."""
 
     chunked = False  # whole prompts, in waves (runtime/scheduler.py)
 
@@ -140,6 +142,8 @@ class EagerRunner:
 
         self.model, self.pad_id, self.device = model, pad_id, device
         self.hf_config = hf_config
+        supports = getattr(model, "_supports_logits_to_keep", None)
+        self.last_logits_only = {"logits_to_keep": 1} if supports is not None and supports() else {}
         lm_paths = find_language_models(model, getattr(hf_config, "text_config", None) or hf_config)
         offset = probe.first_position(
             model, lm_paths[0] if len(lm_paths) == 1 else "", torch.tensor([[pad_id]], device=device)
@@ -201,7 +205,7 @@ class EagerRunner:
             kwargs["position_ids"] = positions + self.deltas + self.positions.offset
         kwargs.update(attention_mask=self.mask, past_key_values=self.cache, use_cache=True)
         with torch.no_grad():
-            return self.model(**kwargs).logits[:, -1]
+            return self.model(**kwargs, **self.last_logits_only).logits[:, -1]
 
     def release(self, request: Request) -> None:
         self.positions.forget(request)  # one DynamicCache per wave

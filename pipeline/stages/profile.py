@@ -17,7 +17,7 @@ from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs
 from pipeline.profiler import session
-from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table
+from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.ranks import COMMUNICATION
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
@@ -48,6 +48,7 @@ def _context(state: RunState) -> dict:
         batch_size=cfg.prompt.batch_size,
         prompt_len=cfg.prompt.prompt_len,
         decode_steps=cfg.profile.decode_steps,
+        world_size=state.rank.world if state.rank is not None else 1,
     )
 
 
@@ -86,12 +87,28 @@ def _trace_dir(state: RunState):
     return (state.rank.root if state.rank is not None else state.run_dir) / "traces"
 
 
+# What the reference is: the model as Hugging Face built it, run as its `generate` runs it (its
+# attention and cache, logits_to_keep=1: runtime/runners.EagerRunner)
+REFERENCE = "Hugging Face generate, eager"
+
+
 def _eager_reference(state: RunState) -> session.ProfiledRun:
     """The same workload on the model as Hugging Face built it: graphs swapped back for the modules
     they replaced, model-scope rewrites of the eager parts undone, HF's attention and cache."""
     with model_passes_undone(state.model, state.transform_history), eager_graphs(state.model) as eager:
         engine = DemoLLM(eager, state.hf_config, state.cfg.runtime, state.device, set())
         return _profiled(state, engine, _trace_dir(state) / "eager", "torch-simple")
+
+
+def part_metrics(phases: dict, side: str) -> dict[str, float]:
+    """layers/<phase><side>/<part>_ms: device ms per step of each top-level part (breakdown.PARTS)
+    in prefill and decode (the decode windows' mean), a bounded set that charts across runs."""
+    return {
+        f"layers/{phase}{side}/{part}_ms": us / 1000
+        for phase in ("prefill", "decode")
+        if phase in phases
+        for part, us in part_times(phases[phase]["summary_stats"]).items()
+    }
 
 
 def run(state: RunState) -> StageResult:
@@ -108,7 +125,7 @@ def run(state: RunState) -> StageResult:
     extra, notes = {}, []
     if cfg.profile.reference == "eager" and state.captured:
         eager_phases = session.phases_of(_eager_reference(state), categories)
-        extra = {"reference": {"what": "eager (Hugging Face)", "phases": eager_phases}}
+        extra = {"reference": {"what": REFERENCE, "phases": eager_phases}}
         extra["comparison"] = comparison(phases, eager_phases)
     elif cfg.profile.reference == "eager":
         notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
@@ -134,6 +151,9 @@ def run(state: RunState) -> StageResult:
         notes.append(
             f"communication: {metrics['profile/comm_pct']:.1f} % of the steps' time (rank {state.rank.rank})"
         )
+    metrics.update(part_metrics(phases, ""))
+    if "reference" in extra:
+        metrics.update(part_metrics(extra["reference"]["phases"], "_eager"))
     for phase, rows in extra.get("comparison", {}).items():
         total = rows[-1]
         if total["speedup"] is not None:
