@@ -10,6 +10,7 @@ from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
 from pipeline.report.breakdown import (
     PARTS,
+    _rewritten_by,
     breakdown,
     compared_part,
     comparison_table,
@@ -239,7 +240,7 @@ def test_a_ratio_is_taken_only_of_two_measurable_times():
     table = comparison_table(list(rows.values()), "decode")
     assert "captured vs Hugging Face generate (eager)" in table
     norm_line = next(line for line in table.splitlines() if line.startswith("norm "))
-    assert norm_line.split()[-1] == "-"
+    assert norm_line.split()[3] == "-" and "fused away" in norm_line
 
 
 @pytest.mark.parametrize(
@@ -263,3 +264,20 @@ def test_a_ratio_is_taken_only_of_two_measurable_times():
 )
 def test_every_module_bucket_has_one_top_level_part(bucket, part):
     assert part_of(bucket) == part and part in PARTS
+
+
+def test_parts_whose_work_differs_are_shown_as_such():
+    """A part a model-scope rewrite changed (the vision tower's linears through oneDNN) is that
+    rewrite's gain, not capture's; a part fused away on the captured side is said to be; neither
+    gets a ratio."""
+    rewritten = {
+        "model.vision_tower.transformer.layers.0.feed_forward.w1": "onednn_linear",
+        "lm_head": "onednn_linear",
+    }
+    assert _rewritten_by("model.vision_tower.transformer.layers.*.feed_forward", rewritten) == "onednn_linear"
+    assert _rewritten_by("lm_head", rewritten) == "onednn_linear"
+    assert _rewritten_by("model.language_model.layers.*.mlp", rewritten) == ""
+    fused = compared_part("model.language_model.layers.*.input_layernorm", 0.0, 176.0)
+    assert fused["speedup"] is None and fused["note"].startswith("fused away")
+    assert compared_part("mlp", 100.0, 150.0)["note"] == ""
+    assert _rewritten_by("model.vision_tower (self)", rewritten) == ""  # the container's own time

@@ -13,7 +13,7 @@ profile.json:
       {name, kind, fqn, cls, params, shapes, trace, category, depth, cpu_time_us, device_time_us,
        pct, invocations, attribution, children}
   reference (profile.reference=eager): {what, phases}: the eager model's phases on the same workload
-  comparison: {prefill, decode: [{part, captured_ms, eager_ms, speedup}]}
+  comparison: {prefill, decode: [{part, captured_ms, eager_ms, speedup, note}]}
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def write_csv(path: Path, phases: dict[str, dict[str, Any]], table: str) -> None
 def write_comparison(path: Path, comparison: dict[str, list[dict[str, Any]]]) -> None:
     """The captured-vs-eager rows of every phase, one CSV."""
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["phase", "part", "captured_ms", "eager_ms", "speedup"])
+        writer = csv.DictWriter(f, fieldnames=["phase", "part", "captured_ms", "eager_ms", "speedup", "note"])
         writer.writeheader()
         for phase, rows in comparison.items():
             writer.writerows({"phase": phase, **row} for row in rows)

@@ -196,13 +196,34 @@ def part_times(summary: dict[str, Any]) -> dict[str, float]:
     return times
 
 
+def _rewritten_by(part: str, rewritten: dict[str, str]) -> str:
+    """The model-scope transforms that rewrote a module of `part` (or the part itself), or ''. A
+    container's own time (`<fqn> (self)`) is rewritten only where the container itself was."""
+    own = part.endswith(" (self)")
+    name = part.removesuffix(" (self)")
+    for path, transforms in rewritten.items():
+        path = _LAYER_INDEX.sub(".layers.*.", path + ".").rstrip(".")
+        inside = path.startswith(name + ".") or name.startswith(path + ".")
+        if path == name or (inside and not own):
+            return transforms
+    return ""
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
+
+
 def comparison(
-    captured: dict[str, Any], eager: dict[str, Any], phases=("prefill", "decode")
+    captured: dict[str, Any],
+    eager: dict[str, Any],
+    phases=("prefill", "decode"),
+    rewritten: dict[str, str] | None = None,
 ) -> dict[str, list]:
     """Per phase, per module part (module_buckets): device ms per step of the captured run and of the
     eager reference on the same workload, and the speedup (eager / captured), largest parts first;
-    a `total` row last. Parts only one side has (a fused projection, the attention plan) are rows
-    with 0 on the other side."""
+    a `total` row last. Where the two sides did different work the row says so (`note`) and has no
+    speedup: a part only the eager side shows (fused into another part on the captured side), one
+    only the captured side shows, and one a model-scope rewrite changed (`rewritten`: path ->
+    transforms, registry.rewritten_modules), whose gain is that transform's, not capture's."""
     out: dict[str, list] = {}
     for phase in phases:
         if phase not in captured or phase not in eager:
@@ -210,7 +231,12 @@ def comparison(
         ours = module_buckets(captured[phase]["summary_stats"])
         theirs = module_buckets(eager[phase]["summary_stats"])
         names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
-        rows = [compared_part(name, ours.get(name, 0.0), theirs.get(name, 0.0)) for name in names]
+        rows = []
+        for name in names:
+            row = compared_part(name, ours.get(name, 0.0), theirs.get(name, 0.0))
+            if transforms := _rewritten_by(name, rewritten or {}):
+                row.update(speedup=None, note=f"rewritten by {transforms}")
+            rows.append(row)
         rows.append(compared_part("total", captured[phase]["device_time_us"], eager[phase]["device_time_us"]))
         out[phase] = rows
     return out
@@ -223,16 +249,22 @@ MEASURABLE_US = 1.0
 
 def compared_part(part: str, captured_us: float, eager_us: float) -> dict[str, Any]:
     measured = captured_us >= MEASURABLE_US and eager_us >= MEASURABLE_US
+    note = ""
+    if captured_us < MEASURABLE_US <= eager_us:
+        note = "fused away: its work is in another part"
+    elif eager_us < MEASURABLE_US <= captured_us:
+        note = "captured side only"
     return {
         "part": part,
         "captured_ms": captured_us / 1000,
         "eager_ms": eager_us / 1000,
         "speedup": eager_us / captured_us if measured else None,
+        "note": note,
     }
 
 
 def comparison_table(rows: list[dict[str, Any]], phase: str, top: int = 12) -> str:
-    header = f"{'part':<60} {'captured ms':>12} {'eager ms':>10} {'eager/captured':>15}"
+    header = f"{'part':<60} {'captured ms':>12} {'eager ms':>10} {'eager/captured':>15}  note"
     lines = [
         f"{phase}: captured vs Hugging Face generate (eager), device ms per step",
         header,
@@ -242,5 +274,7 @@ def comparison_table(rows: list[dict[str, Any]], phase: str, top: int = 12) -> s
     for r in shown:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         name = r["part"] if len(r["part"]) <= 60 else "..." + r["part"][-57:]
-        lines.append(f"{name:<60} {r['captured_ms']:>12.3f} {r['eager_ms']:>10.3f} {speedup:>15}")
+        lines.append(
+            f"{name:<60} {r['captured_ms']:>12.3f} {r['eager_ms']:>10.3f} {speedup:>15}  {r.get('note', '')}".rstrip()
+        )
     return "\n".join(lines)

@@ -234,13 +234,14 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
     for phase, rows in profile.get("comparison", {}).items():
         section.blocks.append(
             Table(
-                [f"{phase}: part", "captured ms", "eager ms", "eager / captured"],
+                [f"{phase}: part", "captured ms", "HF generate ms", "HF / captured", "note"],
                 [
                     [
                         r["part"],
                         r["captured_ms"],
                         r["eager_ms"],
                         f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                        r.get("note", ""),
                     ]
                     for r in rows
                     if r["part"] == "total" or r["captured_ms"] + r["eager_ms"] > 0.01 * rows[-1]["eager_ms"]

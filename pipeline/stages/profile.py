@@ -23,7 +23,7 @@ from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
-from pipeline.transforms.registry import model_passes_undone
+from pipeline.transforms.registry import model_passes_undone, rewritten_modules
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ def run(state: RunState) -> StageResult:
     if cfg.profile.reference == "eager" and state.captured:
         eager_phases = session.phases_of(_eager_reference(state), categories)
         extra = {"reference": {"what": REFERENCE, "phases": eager_phases}}
-        extra["comparison"] = comparison(phases, eager_phases)
+        rewritten = rewritten_modules(state.model, state.transform_history)
+        extra["comparison"] = comparison(phases, eager_phases, rewritten=rewritten)
     elif cfg.profile.reference == "eager":
         notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
     files, printed = session.write(

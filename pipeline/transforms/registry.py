@@ -320,6 +320,22 @@ def eager_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def rewritten_modules(model: nn.Module, history: TransformHistory | None) -> dict[str, str]:
+    """Path -> the model-scope transforms that matched, for each eager module those passes put in
+    place of Hugging Face's (OneDNNLinear for nn.Linear, ...): parts whose work is the rewrite's,
+    not capture's."""
+    if history is None or history.eager_tables is None:
+        return {}
+    before = {id(module): children for module, _, _, children in history.eager_tables.tables}
+    passes = sorted({r.transform for r in history.records if r.scope == "model" and r.matches})
+    rewritten = {}
+    for path, module in eager_modules(model):
+        for name, child in module._modules.items():
+            if id(module) in before and before[id(module)].get(name) is not child:
+                rewritten[f"{path}.{name}" if path else name] = ", ".join(passes)
+    return rewritten
+
+
 @contextlib.contextmanager
 def model_passes_undone(model: nn.Module, history: TransformHistory | None) -> Iterator[None]:
     """The eager parts as they were before any model-scope rewrite (nn.Linear for OneDNNLinear,
