@@ -128,6 +128,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ray_local's sweep took 60-120 s on 2 cores
 @pytest.mark.parametrize("launcher", ["local", "ray_local"])
 def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, tracking_uri):
     """hydra/launcher=local: hydra-submitit-launcher's local executor, the SLURM launcher's code
