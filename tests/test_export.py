@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILY_VLMS, TINY_TEXT, TINY_VLMS, build_tiny, capture_tiny
+from conftest import FAMILY_VLMS, TINY_TEXT, TINY_VLMS, build_tiny, capture_tiny, transform_context
 
 from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
@@ -196,3 +196,17 @@ def test_unknown_submodule_is_named():
     model, hf_config, examples = build_tiny("tiny_mistral3")
     with pytest.raises(graph_capture.ExportError, match="'model.language' is not a submodule"):
         graph_capture.record_calls(model, ["model.language"], examples.text)
+
+
+def test_a_graph_keeps_its_exported_node_count_after_the_transforms():
+    """The export line and the report's export table count the graph as export produced it; the
+    transforms' record and the report's second column count it now."""
+    from pipeline.transforms import registry
+
+    model, hf_config, examples = build_tiny("tiny_llama3_1_8b")
+    model, [captured] = capture_tiny(model, hf_config, examples)
+    exported = captured.exported_nodes
+    assert exported == captured.num_nodes == len(captured.graph_module.graph.nodes)
+    cleanup = registry.TRANSFORMS["cleanup"](registry.TransformConfig())
+    assert cleanup.rewrite_graph(captured.graph_module, transform_context()) > 0
+    assert captured.exported_nodes == exported > captured.num_nodes

@@ -105,6 +105,7 @@ class CapturedGraph:
     dynamic_dims: dict[str, dict[int, str]]  # input name -> {dim: "batch" | "seq"}
     range_constraints: dict[str, str]
     export_s: float
+    exported_nodes: int = 0  # the graph's nodes as export produced it (the transforms change the graph)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -122,6 +123,7 @@ class CapturedGraph:
 
     @property
     def num_nodes(self) -> int:
+        """The graph's nodes now (after whatever rewrote it since export)."""
         return len(self.graph_module.graph.nodes)
 
 
@@ -266,6 +268,7 @@ def export_module(
         dynamic_dims=dims,
         range_constraints={str(k): str(v) for k, v in program.range_constraints.items()},
         export_s=export_s,
+        exported_nodes=len(graph_module.graph.nodes),
     )
     _check_dynamic(program, captured)
     set_record(

@@ -112,11 +112,19 @@ def _export_section(state: RunState) -> Section:
     else:
         section.blocks.append(
             Table(
-                ["graph", "nodes", "inputs", "constants", "torch.export s (export/<graph>/torch_export_s)"],
+                [
+                    "graph",
+                    "nodes as exported",
+                    "nodes now (after the transforms)",
+                    "inputs",
+                    "constants",
+                    "torch.export s (export/<graph>/torch_export_s)",
+                ],
                 [
                     [
                         g.name,
-                        sum(1 for _ in g.graph_module.graph.nodes),
+                        g.exported_nodes,
+                        g.num_nodes,
                         ", ".join(g.tensor_inputs),
                         json.dumps(g.constants),
                         f"{g.export_s:.2f}",

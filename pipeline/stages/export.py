@@ -72,7 +72,7 @@ def run(state: RunState) -> StageResult:
         result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
         result.artifacts += _write_graph_artifacts(state, captured)
         result.notes.append(
-            f"captured '{captured.name}': {captured.num_nodes} nodes, inputs {captured.tensor_inputs}, "
+            f"captured '{captured.name}': {captured.num_nodes} nodes as exported, inputs {captured.tensor_inputs}, "
             f"constants {captured.constants}, {captured.export_s:.1f} s"
         )
         result.notes += [f"'{captured.name}': {note}" for note in captured.notes]
