@@ -175,8 +175,19 @@ def run(state: RunState) -> StageResult:
         speedups = [
             f"{k.split('/')[1]} {v:.2f}x" for k, v in metrics.items() if k.endswith("_speedup_vs_eager")
         ]
+        rewrites = sorted(
+            {
+                r["note"]
+                for rows in extra["comparison"].values()
+                for r in rows
+                if r["note"].startswith("rewritten")
+            }
+        )
         notes.append(
-            f"against the eager model on the same workload (device time per step): {', '.join(speedups)}"
+            f"against {REFERENCE} on the same workload, whole steps (device time per step: export, the "
+            f"transforms and {state.backend} together"
+            + (f"; parts {', '.join(rewrites)} included" if rewrites else "")
+            + f"): {', '.join(speedups)}"
         )
     notes.append(
         "profile/profile.json, CSV tables and tables.txt; Chrome traces in traces/<phase>/ (Perfetto, HTA)"
