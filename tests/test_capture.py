@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, TINY_MOE, generated_tokens
+from conftest import TINY_MODELS, TINY_MOE, generated_tokens, staged
 from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
-from pipeline.backends.compile import compile_module
+from pipeline.backends.compile import compile_module, compiled_frames
 from pipeline.graphs import record_of
 from pipeline.models import zoo
 from pipeline.runtime.sampling import SamplingParams
@@ -185,3 +185,27 @@ def test_cuda_backends_keep_tokens(backend, tmp_path):
     graphs = next(r for r in runs if r.data.tags["backend"] == backend)
     assert graphs.data.metrics["capture/cuda_graph_replays"] > 0
     assert graphs.data.metrics["memory/cuda_graph_pool_mb"] > 0  # a capture's activations have their own pool
+
+
+RECOMPILE_CASES = [
+    pytest.param("tiny_mistral3", "partial", 1, id="tiny_mistral3-partial-1"),
+    *[pytest.param(m, "partial", 3, id=f"{m}-partial-3", marks=pytest.mark.slow) for m in TINY_MODELS],
+    pytest.param("tiny_llama3_1_8b", "full", 2, id="tiny_llama3_1_8b-full-2", marks=pytest.mark.slow),
+    pytest.param("tiny_llama3_1_8b", "none", 2, id="tiny_llama3_1_8b-none-2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("name", "capture", "batch"), RECOMPILE_CASES)
+def test_generation_compiles_nothing(name, capture, batch):
+    """Dynamo's own frame counter: everything generation runs was compiled by the capture stage,
+    over prompts that fill pages and decode steps that open new ones (the page table widens)."""
+    overrides = [
+        f"model={name}", f"capture={capture}", "backend=torch-compile", f"prompt.batch_size={batch}",
+        "prompt.prompt_len=13", "prompt.output_len=12", "runtime.attn_page_size=8",
+        "profile.enabled=false", "report.enabled=false", "tracking.enabled=false",
+    ]  # fmt: skip
+    with staged(overrides, "generate") as state:
+        capture, generate = state.stages[-2], state.stages[-1]
+        assert capture.metrics["capture/compiled_frames"] >= 1
+        assert generate.metrics["capture/recompiles"] == 0
+        assert compiled_frames() == state.compiled_frames

@@ -26,8 +26,9 @@ import hashlib
 import inspect
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._inductor.decomposition import register_decomposition
+from torch.fx.experimental import _config as fx_config
 
 from pipeline.ops import (
     add_rms_norm_reference,
@@ -57,5 +58,41 @@ def compiled_frames() -> int:
     return int(torch._dynamo.utils.counters["frames"]["ok"])
 
 
+def _plain(value):
+    """A tensor input as Dynamo should meet it: dense and not a view. Dynamo guards on a view's base
+    and on strides, so the same step built as a view (positions[None]) or expanded (HF's default
+    position_ids, stride 0) would each compile again."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not value.is_contiguous():
+        return value.contiguous()
+    return value if value._base is None else value.detach()
+
+
 def compile_module(module: nn.Module) -> None:
-    module.forward = torch.compile(module.forward, dynamic=True)
+    """Inductor on the module's forward, sizes symbolic from the first call on.
+
+    On an exported graph, size-oblivious reasoning keeps a size of 1 (one sequence, one page, one
+    token) from becoming a constant of the compiled code, and without duck shaping two sizes that
+    happen to match (the batch and a cache's page count) are not tied together; either would
+    otherwise compile again at the next step's sizes. What remains is what the code itself depends
+    on: a one-token step's views have other strides than a longer step's, so the capture stage
+    warms up both (stages/capture.py). The eager model (capture=none) compiles as it is: its
+    broadcasts (HF's masks) read a size of 1 as a broadcast, which export already resolved in a
+    graph but Dynamo must still see."""
+    compiled = torch.compile(module.forward, dynamic=True)
+    if not isinstance(module, fx.GraphModule):
+        module.forward = compiled
+        return
+
+    def forward(*args, **kwargs):
+        kwargs = {name: _plain(value) for name, value in kwargs.items()}
+        # Read only when a call compiles; set per call (config.patch costs 4x more a step).
+        before = fx_config.backed_size_oblivious, fx_config.use_duck_shape
+        fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            fx_config.backed_size_oblivious, fx_config.use_duck_shape = before
+
+    module.forward = forward

@@ -1,5 +1,6 @@
-"""capture: the compile backend on each captured subgraph (never on the eager parts), warmed up and
-checked against eager on the same calls; compile time and what was captured are recorded."""
+"""capture: the compile backend on each captured subgraph (never on the eager parts), checked
+against eager on the same calls, then warmed up on demollm's steps of the run's requests, so
+generation runs what was compiled here; compile time and what was captured are recorded."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
 from pipeline.faults import maybe_fail
 from pipeline.graphs import find_graphs
+from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.stages.generate import workload
 from pipeline.state import RunState, StageResult
 
 
@@ -46,6 +50,7 @@ def run(state: RunState) -> StageResult:
         checks = correctness.check(state, "capture", result)
         if cause := correctness.failure(checks):
             raise StageFailure(cause)
+        _warm_up(state)
     except Exception as exc:
         cause = short_cause(exc)
         # Whatever the attempt held (compiled code, captured graphs, their memory pools) goes now,
@@ -69,3 +74,20 @@ def run(state: RunState) -> StageResult:
         f"compiled and checked {len(targets)} graph(s) in {result.metrics['capture/compile_s']:.1f} s"
     )
     return result
+
+
+def _warm_up(state: RunState) -> None:
+    """Compile for the steps generation will run. The check's calls are shaped as the parent model
+    calls the graph ([B, S], a fresh cache each); demollm's steps are packed ([1, T]) over its
+    paged cache, and a one-token step is a shape class of its own (backends/compile.py). Three
+    tokens of the run's own requests (a prefill, then two decode steps: the second meets the
+    cache as the first left it, which HF's cache of an eager model changes) and three of its first
+    request alone (one-token steps) compile what generation meets: `capture/recompiles` counts
+    what generation still compiles."""
+    try:
+        engine = DemoLLM(state.model, state.hf_config, state.cfg.runtime, state.device, eos_ids=set())
+    except ValueError:
+        return  # demollm cannot drive this model: the generate stage fails and says why
+    requests = workload(state)
+    for batch in (requests, requests[:1]):
+        engine.generate(batch, 3, SamplingParams(), state.cfg.seed)
