@@ -97,6 +97,11 @@ def test_a_kernel_fused_across_modules_goes_to_the_majority_then_to_its_last_nod
         ("cpp_fused_mul_1", MLP, "majority"),
         ("aten::mm", (), "none"),
     ]
+    # What each fused kernel took from other modules: the layer's add into the norm's kernel, the
+    # layer's add into the MLP's.
+    assert [s.absorbed for s in sites] == [("m.layers.0",), (), ("m.layers.0",), ()]
+    into = provenance.fused_modules({0: provenance.GraphSites(0, sites)})
+    assert into == {"m.layers.0": {"m.layers.1.norm", "m.layers.0.mlp"}}
 
 
 def test_compiled_calls_become_nested_module_spans():

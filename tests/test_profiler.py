@@ -326,6 +326,16 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     eager_layers = {n for n in _modules(eager["phases"]["prefill"]["model_stats"]) if ".layers." in n}
     assert {f"model.layers.{i}.self_attn" for i in range(layers)} <= graph_layers <= eager_layers
 
+    # The MLPs against their roof hold the weights Hugging Face's MLPs hold, whatever the transforms
+    # fused, and fed the decode batch reach FLOP/s = 2 x weights x batch / their time.
+    roofs = graph["roofline"]["roofs"]
+    mlp_weights = [p for n, p in model.named_parameters() if ".mlp." in n]
+    (mlp,) = [r for r in graph["roofline"]["phases"]["decode"] if r["part"] == "model.layers.*.mlp"]
+    assert mlp["weight_mb"] == pytest.approx(sum(p.numel() * p.element_size() for p in mlp_weights) / 2**20)
+    flops = 2 * sum(p.numel() for p in mlp_weights) * roofs["decode_batch"]
+    assert mlp["tflops"] == pytest.approx(flops / (mlp["device_ms"] * 1e-3) / 1e12)
+    assert roofs["prefill_tokens"] > roofs["decode_batch"] >= 1
+
     _, runs = mlflow_runs(tracking_uri)
     metrics = next(r for r in runs if r.data.tags["capture"] == "partial").data.metrics
     assert metrics["profile/windows"] == 3 and metrics["profile/overhead_ratio"] > 0

@@ -31,30 +31,6 @@ class ReadLimit:
         return read_gbs(self.buffer, self.repeats, statistics.median)
 
 
-def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
-    """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / median time, the faster of ATen's matmul
-    and, on CPU, oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul):
-    the limit is the best GEMM the machine's libraries do, not the default one."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
-    kernels = [lambda: a @ b]
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        weight = b.t().contiguous()  # [n, k], as nn.Linear stores it
-        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""))
-    best = 0.0
-    for kernel in kernels:
-        kernel()
-        times = []
-        for _ in range(repeats):
-            sync(device)
-            start = time.perf_counter()
-            kernel()
-            sync(device)
-            times.append(time.perf_counter() - start)
-        best = max(best, 2 * m * k * n / statistics.median(times) / 1e12)
-    return best
-
-
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The kernel demollm's linears run for the weight's dtype: pipeline::onednn_linear for float32
     on CPU (the onednn_linear transform: oneDNN's inner product, or F.linear where it was timed

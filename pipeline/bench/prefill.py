@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from pipeline.bench import rounds
-from pipeline.bench.limits import WeightPass, gemm_tflops
+from pipeline.bench.limits import WeightPass
 from pipeline.bench.prepare import engine_of, prepared
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.models.memory import decoder_and_head
+from pipeline.runtime.machine_load import gemm_tflops
 from pipeline.runtime.requests import Request
 from pipeline.runtime.sampling import SamplingParams
 

@@ -49,6 +49,7 @@ class Site:
     event: str  # its profiler event: the kernel's name (without graph_<id>_) or `<ns>::<op>`
     stack: Stack  # the module it computes for; () when its nodes carry no stack
     rule: str  # single (its nodes sit in one module) | majority | none
+    absorbed: tuple[str, ...] = ()  # under `majority`: the other modules whose nodes it computes
 
 
 @dataclass
@@ -110,10 +111,21 @@ def sites_of(mappings: dict, pre_grad: fx.GraphModule, stacks: dict[str, Stack])
         best = max(counts.values())
         winners = [s for s in found if counts[s] == best]
         stack = winners[-1]  # the tie goes to the last node's module: the output the kernel writes
-        sites.append(
-            Site(_event_name(entry.rsplit(":", 1)[0]), stack, "single" if len(counts) == 1 else "majority")
-        )
+        absorbed = tuple(dict.fromkeys(s[-1][0] for s in found if s != stack))
+        rule = "single" if len(counts) == 1 else "majority"
+        sites.append(Site(_event_name(entry.rsplit(":", 1)[0]), stack, rule, absorbed))
     return sites
+
+
+def fused_modules(graphs: dict[int, GraphSites]) -> dict[str, set[str]]:
+    """Module -> the modules whose kernels compute some of its nodes (by the majority rule), over
+    every compiled graph: where Inductor moved a module's work into another's kernels."""
+    into: dict[str, set[str]] = {}
+    for graph in graphs.values():
+        for site in graph.sites:
+            for fqn in site.absorbed:
+                into.setdefault(fqn, set()).add(site.stack[-1][0])
+    return into
 
 
 class ProvenanceRecorder:

@@ -212,18 +212,77 @@ def _rewritten_by(part: str, rewritten: dict[str, str]) -> str:
 _LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 
 
+def bucket_of(fqn: str, buckets: set[str]) -> str | None:
+    """The module bucket (module_buckets) a module's work is counted in: the deepest bucket at or
+    above it, layer indices as `*`; a container's own work goes to its `(self)` bucket."""
+    path = _LAYER_INDEX.sub(".layers.*.", "." + fqn + ".").strip(".")
+    if path in buckets:
+        return path
+    while path:
+        if f"{path} (self)" in buckets:
+            return f"{path} (self)"
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+        if path in buckets:
+            return path
+    return None
+
+
+def _fusion_edges(fused: dict[str, set[str]], names: set[str]) -> dict[str, set[str]]:
+    """provenance.fused_modules at bucket level: bucket -> the other buckets whose kernels compute
+    some of its work."""
+    edges: dict[str, set[str]] = {}
+    for source, targets in fused.items():
+        a = bucket_of(source, names)
+        for b in (bucket_of(t, names) for t in targets):
+            if a and b and a != b:
+                edges.setdefault(a, set()).add(b)
+    return edges
+
+
+def _groups(edges: dict[str, set[str]]) -> dict[str, tuple[str, ...]]:
+    """Bucket -> the buckets joined with it by fusion, transitively (itself included)."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        parent.setdefault(name, name)
+        while parent[name] != name:
+            name = parent[name]
+        return name
+
+    for a, targets in edges.items():
+        for b in targets:
+            parent[root(a)] = root(b)
+    members: dict[str, list[str]] = {}
+    for name in list(parent):
+        members.setdefault(root(name), []).append(name)
+    return {name: tuple(sorted(group)) for group in members.values() for name in group}
+
+
+def _short(name: str) -> str:
+    """A bucket as the note names it: from the decoder layer down (`layers.*.self_attn`)."""
+    match = re.search(r"(^|\.)(layers\.\*\..*)$", name)
+    return match.group(2) if match else name
+
+
 def comparison(
     captured: dict[str, Any],
     eager: dict[str, Any],
     phases=("prefill", "decode"),
     rewritten: dict[str, str] | None = None,
+    fused: dict[str, set[str]] | None = None,
+    graphs: tuple[str, ...] = (),
 ) -> dict[str, list]:
     """Per phase, per module part (module_buckets): device ms per step of the captured run and of the
     eager reference on the same workload, and the speedup (eager / captured), largest parts first;
-    a `total` row last. Where the two sides did different work the row says so (`note`) and has no
-    speedup: a part only the eager side shows (fused into another part on the captured side), one
-    only the captured side shows, and one a model-scope rewrite changed (`rewritten`: path ->
-    transforms, registry.rewritten_modules), whose gain is that transform's, not capture's."""
+    a `total` row last. A speedup is printed only where both sides did the same work; otherwise the
+    row says why (`note`):
+    - parts whose work Inductor fused together (`fused`: provenance.fused_modules) have none each;
+      one `fused:` row sums the group on both sides and carries the group's speedup;
+    - a part a model-scope rewrite changed (`rewritten`: path -> transforms,
+      registry.rewritten_modules) has none: its gain is that transform's, not capture's;
+    - a captured graph's own time (`<graph> (self)`: torch.compile's call and guards, against
+      HF's masks and cache bookkeeping), a part measurable on one side only, and unattributed
+      time have none."""
     out: dict[str, list] = {}
     for phase in phases:
         if phase not in captured or phase not in eager:
@@ -231,12 +290,37 @@ def comparison(
         ours = module_buckets(captured[phase]["summary_stats"])
         theirs = module_buckets(eager[phase]["summary_stats"])
         names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
-        rows = []
+        edges = _fusion_edges(fused or {}, set(names))
+        groups = _groups(edges)
+        into: dict[str, set[str]] = {}
+        for a, targets in edges.items():
+            for b in targets:
+                into.setdefault(b, set()).add(a)
+        rows, grouped = [], {}
         for name in names:
             row = compared_part(name, ours.get(name, 0.0), theirs.get(name, 0.0))
             if transforms := _rewritten_by(name, rewritten or {}):
                 row.update(speedup=None, note=f"rewritten by {transforms}")
+            elif name in groups:
+                said = [f"fused into {', '.join(sorted(map(_short, edges[name])))}"] if name in edges else []
+                said += [f"holds fused {', '.join(sorted(map(_short, into[name])))}"] if name in into else []
+                row.update(speedup=None, note="; ".join(said) + " (ratio: the fused row)")
+                grouped.setdefault(groups[name], []).append(name)
+            elif name.startswith(UNATTRIBUTED):
+                row.update(speedup=None, note="no module: not comparable")
+            elif name.removesuffix(" (self)") in graphs and name.endswith(" (self)"):
+                row.update(speedup=None, note="the graph's own ops: not the same work on both sides")
             rows.append(row)
+        for members in grouped.values():
+            largest = _short(max(members, key=lambda n: theirs.get(n, 0.0)))
+            group = compared_part(
+                f"fused: {largest} + {len(members) - 1} more",
+                sum(ours.get(n, 0.0) for n in members),
+                sum(theirs.get(n, 0.0) for n in members),
+            )
+            group["note"] = "the parts Inductor fused together, summed on both sides"
+            rows.append(group)
+        rows.sort(key=lambda r: -(r["captured_ms"] + r["eager_ms"]))
         rows.append(compared_part("total", captured[phase]["device_time_us"], eager[phase]["device_time_us"]))
         out[phase] = rows
     return out
@@ -251,7 +335,7 @@ def compared_part(part: str, captured_us: float, eager_us: float) -> dict[str, A
     measured = captured_us >= MEASURABLE_US and eager_us >= MEASURABLE_US
     note = ""
     if captured_us < MEASURABLE_US <= eager_us:
-        note = "fused away: its work is in another part"
+        note = "no time on the captured side: its work is in another part"
     elif eager_us < MEASURABLE_US <= captured_us:
         note = "captured side only"
     return {

@@ -12,6 +12,7 @@ from pipeline.models.memory import human_count
 from pipeline.profiler.tables import phase_table
 from pipeline.report.document import Image, Pre, Section, Table, write
 from pipeline.report.ranks import rank_metrics, rank_profiles, rank_table
+from pipeline.report.roofline import Roofs, roofline_table
 from pipeline.state import RunState
 
 HEADLINE = (
@@ -256,6 +257,9 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
                 ],
             )
         )
+    roofline = profile.get("roofline", {})
+    for phase, rows in roofline.get("phases", {}).items():
+        section.blocks.append(Pre(roofline_table(rows, phase, Roofs(**roofline["roofs"]))))
     section.blocks += plot_notes
     section.blocks += [Image(png, PLOT_CAPTIONS.get(key, key)) for key, png in plots.items()]
     return section

@@ -10,6 +10,7 @@ thresholds come from runs with and without busy processes beside them (docs/metr
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,3 +137,27 @@ def read_limit_gbs(device: torch.device, mib: int = 1024) -> float:
     buffer = torch.ones(mib * 2**20 // 4, device=device)
     buffer.sum()
     return read_gbs(buffer)
+
+
+def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / median time, the faster of ATen's matmul
+    and, on CPU, oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul):
+    the limit is the best GEMM the machine's libraries do, not the default one."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    kernels = [lambda: a @ b]
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        weight = b.t().contiguous()  # [n, k], as nn.Linear stores it
+        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""))
+    best = 0.0
+    for kernel in kernels:
+        kernel()
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            start = time.perf_counter()
+            kernel()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * m * k * n / statistics.median(times) / 1e12)
+    return best

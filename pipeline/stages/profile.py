@@ -15,13 +15,15 @@ import logging
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
-from pipeline.graphs import eager_graphs
-from pipeline.profiler import session
+from pipeline.graphs import eager_graphs, find_graphs
+from pipeline.profiler import provenance, session
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.ranks import COMMUNICATION
+from pipeline.report.roofline import Roofs, roofline, roofline_table
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.requests import build_requests
+from pipeline.runtime.machine_load import gemm_tflops
 from pipeline.runtime.sampling import SamplingParams
+from pipeline.stages.generate import workload
 from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import model_passes_undone, rewritten_modules
 
@@ -54,10 +56,7 @@ def _context(state: RunState) -> dict:
 
 def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> session.ProfiledRun:
     cfg = state.cfg
-    requests = build_requests(
-        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
-        chunked=cfg.capture.mode != "none",
-    )  # fmt: skip
+    requests = workload(state)
     params = SamplingParams(**vars(cfg.runtime.sampling))
 
     def generate(max_new_tokens, after_step):
@@ -79,6 +78,30 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
         raise StageFailure(str(exc)) from exc
     finally:
         engine.eos_ids = eos
+
+
+GEMM_SIDE = 512
+
+
+def _roofs(state: RunState, profiled: session.ProfiledRun) -> Roofs:
+    """The roofs each part is set against: the read limit the generate stage measured, and the
+    GEMM rate at the MLP's shape for the profiled prefill's tokens, in the run's dtype (each side
+    at least GEMM_SIDE: a tiny model's GEMM times its call, not the machine)."""
+    text = getattr(state.hf_config, "text_config", None) or state.hf_config
+    prefill = next(step for step in profiled.profiled.steps if step.kind == "prefill")
+    generated = next(r for r in state.stages if r.name == "generate")
+    return Roofs(
+        read_gbs=generated.metrics["throughput/read_limit_gbs"],
+        gemm_tflops=gemm_tflops(
+            *(max(GEMM_SIDE, n) for n in (prefill.fed, text.hidden_size, text.intermediate_size)),
+            state.dtype,
+            state.device,
+            repeats=3,
+        ),
+        prefill_tokens=prefill.fed,
+        prefill_rows=prefill.tokens,
+        decode_batch=max((step.fed for step in profiled.profiled.steps if step.kind == "decode"), default=0),
+    )
 
 
 def _trace_dir(state: RunState):
@@ -127,17 +150,22 @@ def run(state: RunState) -> StageResult:
         eager_phases = session.phases_of(_eager_reference(state), categories)
         extra = {"reference": {"what": REFERENCE, "phases": eager_phases}}
         rewritten = rewritten_modules(state.model, state.transform_history)
-        extra["comparison"] = comparison(phases, eager_phases, rewritten=rewritten)
+        fused = provenance.fused_modules(profiled.instrumentation.graphs)
+        extra["fused"] = {source: sorted(targets) for source, targets in fused.items()}
+        paths = tuple(path for path, _ in find_graphs(state.model))
+        extra["comparison"] = comparison(phases, eager_phases, rewritten=rewritten, fused=fused, graphs=paths)
     elif cfg.profile.reference == "eager":
         notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
+    roofs = _roofs(state, profiled)
+    extra["roofline"] = {"roofs": vars(roofs), "phases": roofline(phases, state.model, roofs)}
     files, printed = session.write(
         folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra
     )
-    if "comparison" in extra:
-        printed += "\n\n" + "\n\n".join(
-            comparison_table(rows, phase) for phase, rows in extra["comparison"].items()
-        )
-        (folder / "tables.txt").write_text(printed + "\n")
+    printed += "\n\n" + "\n\n".join(
+        [comparison_table(rows, phase) for phase, rows in extra.get("comparison", {}).items()]
+        + [roofline_table(rows, phase, roofs) for phase, rows in extra["roofline"]["phases"].items()]
+    )
+    (folder / "tables.txt").write_text(printed + "\n")
     log.info(
         "profile tables (depth %s, top %s per node):\n%s",
         cfg.profile.table_depth,
