@@ -88,7 +88,8 @@ class PagedKVCache:
         torch.compile guards on (it recompiled when an offset matched another size). On a GPU each
         goes from pinned memory, so the copies are asynchronous and the host runs on.
         """
-        width = max(len(self.pages[s]) for s in seq_ids)
+        # At least two columns (-1 pads): a width of 1 would be a size torch.compile specializes.
+        width = max(2, *(len(self.pages[s]) for s in seq_ids))
         values = {
             "qo_indptr": list(itertools.accumulate(new_tokens, initial=0)),
             "cache_lens": [self.lengths[s] for s in seq_ids],

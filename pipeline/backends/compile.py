@@ -72,14 +72,12 @@ def _plain(value):
 def compile_module(module: nn.Module) -> None:
     """Inductor on the module's forward, sizes symbolic from the first call on.
 
-    On an exported graph, size-oblivious reasoning keeps a size of 1 (one sequence, one page, one
-    token) from becoming a constant of the compiled code, and without duck shaping two sizes that
-    happen to match (the batch and a cache's page count) are not tied together; either would
-    otherwise compile again at the next step's sizes. What remains is what the code itself depends
-    on: a one-token step's views have other strides than a longer step's, so the capture stage
-    warms up both (stages/capture.py). The eager model (capture=none) compiles as it is: its
-    broadcasts (HF's masks) read a size of 1 as a broadcast, which export already resolved in a
-    graph but Dynamo must still see."""
+    On an exported graph, without duck shaping: two sizes that happen to match in one call (the
+    sequences and the page-table width, the batch and the cache's K/V pair) are not tied, which
+    would compile again when the next step's differ. Sizes 0 and 1 stay what Dynamo specializes,
+    so a one-token or one-sequence step compiles apart from a longer one; the capture stage warms
+    up each kind generation meets (stages/capture.py), and the page table is never one column
+    wide (attention/kv_cache.py). The eager model (capture=none) compiles as torch.compile does."""
     compiled = torch.compile(module.forward, dynamic=True)
     if not isinstance(module, fx.GraphModule):
         module.forward = compiled
@@ -88,11 +86,11 @@ def compile_module(module: nn.Module) -> None:
     def forward(*args, **kwargs):
         kwargs = {name: _plain(value) for name, value in kwargs.items()}
         # Read only when a call compiles; set per call (config.patch costs 4x more a step).
-        before = fx_config.backed_size_oblivious, fx_config.use_duck_shape
-        fx_config.backed_size_oblivious, fx_config.use_duck_shape = True, False
+        duck = fx_config.use_duck_shape
+        fx_config.use_duck_shape = False
         try:
             return compiled(*args, **kwargs)
         finally:
-            fx_config.backed_size_oblivious, fx_config.use_duck_shape = before
+            fx_config.use_duck_shape = duck
 
     module.forward = forward

@@ -56,7 +56,6 @@ class PagedRunner:
         specs = record_of(graph).cache_specs
         self.cache = PagedKVCache(specs, pages_for(runtime, specs), runtime.attn_page_size, device)
         self.step_inputs: dict[str, torch.Tensor] = {}
-        record_of(graph).runtime_inputs = lambda call: self.step_inputs
         self.eager_lm_head = not isinstance(model, fx.GraphModule)
 
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -116,12 +115,22 @@ class PagedRunner:
         kwargs["use_cache"] = False
         if self.eager_lm_head:  # HF's lm_head then runs on the kept rows only (0: all rows)
             kwargs["logits_to_keep"] = 0 if last is None else last
-        with torch.no_grad():
-            logits = self.model(**kwargs).logits[0]  # [kept or T, V]
+        # The graph takes this step's cache and metadata for this call only: a plain call of the
+        # model after it (a check, numerics) gets fresh ones again.
+        record = record_of(self.graph)
+        fresh, record.runtime_inputs = record.runtime_inputs, self._step_inputs
+        try:
+            with torch.no_grad():
+                logits = self.model(**kwargs).logits[0]  # [kept or T, V]
+        finally:
+            record.runtime_inputs = fresh
         with engine_span("step_outputs"):
             for request, n in zip(requests, lengths, strict=True):
                 self.cache.commit(request.seq_id, n)
         return logits if self.eager_lm_head or last is None else logits[last]
+
+    def _step_inputs(self, _call: dict) -> dict[str, torch.Tensor]:
+        return self.step_inputs
 
     def release(self, request: Request) -> None:
         self.cache.free(request.seq_id)
