@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipeline import numerics
 from pipeline.models.zoo import text_config_of
 from pipeline.state import CorrectnessCheck, Reference, RunState, StageResult
 
@@ -56,8 +57,11 @@ def _near_ties(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return (kth - next_) <= NEAR_TIE_ULPS * ulp
 
 
-def reference_outputs(model: torch.nn.Module, calls: dict[str, dict]) -> Reference:
-    """Eager logits of each call, and which tokens any MoE router decided by a near-tie."""
+def reference_outputs(
+    model: torch.nn.Module, calls: dict[str, dict], parts: list[str] | None = None
+) -> Reference:
+    """Eager logits of each call, which tokens any MoE router decided by a near-tie, and the
+    output of each of `parts` (numerics.part_paths) for the per-part comparison."""
     text_config = text_config_of(getattr(model, "config", None))
     routers = _routers(model, text_config)
     top_k = getattr(text_config, "num_experts_per_tok", 1) or 1
@@ -67,13 +71,15 @@ def reference_outputs(model: torch.nn.Module, calls: dict[str, dict]) -> Referen
         # Llama-4's router returns (scores, logits); a plain gate returns the logits.
         recorded.append((output[-1] if isinstance(output, tuple) else output).detach())
 
-    reference = Reference({}, {})
+    reference = Reference({}, {}, part_order=list(parts or []))
     hooks = [r.register_forward_hook(record) for r in routers]
     try:
         with torch.no_grad():
             for name, call in calls.items():
                 recorded.clear()
-                out = logits(model(**call))
+                with numerics.recorded(model, reference.part_order) as outputs:
+                    out = logits(model(**call))
+                reference.parts[name] = outputs
                 reference.logits[name] = out
                 near = torch.zeros(out.shape[:-1], dtype=torch.bool)
                 for router_logits in recorded:

@@ -61,6 +61,12 @@ class GraphRecord:
         return getattr(self.config, "text_config", None) or self.config
 
 
+# Node meta naming the decoder layer (its fqn in the model) whose output the node's value is: set at
+# export (numerics.tag_layer_outputs), carried by rewrites (transforms/graph.replace) and kept alive
+# by their dead-code pass, for the per-layer numerics.
+LAYER_OUTPUT = "layer_output"
+
+
 def record_of(gm: nn.Module) -> GraphRecord:
     """The record of a captured graph; KeyError for a module export did not produce."""
     record = getattr(gm, "meta", {}).get(RECORD_KEY) if isinstance(gm, fx.GraphModule) else None

@@ -26,7 +26,7 @@ from pipeline.faults import maybe_pause
 from pipeline.models.zoo import text_config_of
 from pipeline.parallel import Rank
 from pipeline.report.run_report import headline, metrics_of
-from pipeline.stages import capture, export, generate, load, profile, report, transforms
+from pipeline.stages import capture, export, generate, load, numerics, profile, report, transforms
 from pipeline.state import Job, RunState, StageRecord, StageResult
 from pipeline.sweep import SUMMARY_FILE, this_sweep
 from pipeline.tracking import Tracker
@@ -40,6 +40,7 @@ STAGES: list[tuple[str, Callable[[RunState], StageResult]]] = [
     ("export", export.run),
     ("transforms", transforms.run),
     ("capture", capture.run),
+    ("numerics", numerics.run),
     ("generate", generate.run),
     ("profile", profile.run),
     ("report", report.run),

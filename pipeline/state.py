@@ -69,6 +69,8 @@ class Reference:
 
     logits: dict[str, torch.Tensor]  # call -> eager logits [B, S, V]
     router_near_ties: dict[str, torch.Tensor]  # call -> [B, S] bool, tokens with a near-tie routing
+    parts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # call -> part -> output
+    part_order: list[str] = field(default_factory=list)  # numerics.part_paths: the order a forward runs them
 
 
 @dataclass

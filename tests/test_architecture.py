@@ -24,6 +24,7 @@ LAYERS = [
     ["backends"],
     ["runtime"],
     ["profiler"],
+    ["numerics"],
     ["run_identity"],
     ["tracking"],
     ["state"],

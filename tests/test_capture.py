@@ -205,7 +205,7 @@ def test_generation_compiles_nothing(name, capture, batch):
         "profile.enabled=false", "report.enabled=false", "tracking.enabled=false",
     ]  # fmt: skip
     with staged(overrides, "generate") as state:
-        capture, generate = state.stages[-2], state.stages[-1]
+        capture, generate = (next(r for r in state.stages if r.name == n) for n in ("capture", "generate"))
         assert capture.metrics["capture/compiled_frames"] >= 1
         assert generate.metrics["capture/recompiles"] == 0
         assert compiled_frames() == state.compiled_frames

@@ -83,3 +83,33 @@ def render(
         plt.close(fig)
         written[key] = out_dir / f"{key}.png" if "png" in formats else out_dir / f"{key}.{formats[0]}"
     return written, notes
+
+
+def numerics_plot(parts: list[str], max_rel: list[float | None], tolerance: float, path: Path) -> Path:
+    """Each part's max relative difference from eager along depth (log scale), the tolerance as a
+    line; a part past it in red, one not readable left as a gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="notebook")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(parts) + 3), 4))
+    floor = tolerance * 1e-6  # an exact match (0) still shows, at the bottom
+    values = [max(v, floor) if v is not None else float("nan") for v in max_rel]
+    ax.plot(range(len(parts)), values, marker="o", color="tab:blue")
+    past = [(i, v) for i, v in enumerate(values) if v == v and v > tolerance]
+    if past:
+        ax.scatter(*zip(*past, strict=True), color="tab:red", zorder=3, label="past tolerance")
+    ax.axhline(tolerance, color="tab:red", linestyle="--", linewidth=1, label=f"tolerance {tolerance:.0e}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(parts)), legend_labels(parts, 28), rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("max |captured - eager| / max |eager|")
+    ax.set_title("Each part's output against eager, in forward order")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -68,6 +68,9 @@ def headline(state: RunState, report: Path | None = None) -> list[str]:
     noisy = next((r.tags["noisy_reason"] for r in state.stages if "noisy_reason" in r.tags), None)
     if noisy:
         lines.append(f"WARNING noisy measurement: {noisy}")
+    numerics = next((r for r in state.stages if r.name == "numerics" and r.notes), None)
+    if numerics is not None:
+        lines.append(f"numerics: {numerics.notes[0].removeprefix('!!! ')}")
     if failure := _failure(state):
         lines.append(failure)
     if report is not None:
@@ -203,6 +206,17 @@ def _correctness_section(state: RunState) -> Section:
         "not as errors. Greedy-token parity of demollm with Hugging Face generate, per backend, is "
         "tested on the tiny models (tests/test_runtime.py, tests/test_capture.py)."
     )
+    folder = state.run_dir / "numerics"
+    if (folder / "numerics.txt").exists():
+        section.blocks.append(
+            "Each part's output against eager on the same calls (the first past tolerance is where the "
+            "captured model leaves eager):"
+        )
+        section.blocks.append(Pre((folder / "numerics.txt").read_text()))
+        if (folder / "depth.png").exists():
+            section.blocks.append(
+                Image(folder / "depth.png", "Each part's max relative difference along depth")
+            )
     return section
 
 

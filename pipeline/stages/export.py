@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline import correctness
+from pipeline import correctness, numerics
 from pipeline.errors import StageFailure, short_cause
 from pipeline.export import graph_capture
 from pipeline.graphs import record_of
@@ -29,12 +29,17 @@ def _targets(state: RunState) -> tuple[list[str], list[str]]:
     return list(info.language_model_paths), []
 
 
+def _parts(state: RunState) -> list[str]:
+    """The parts whose outputs are compared with eager (numerics.part_paths), on the eager model."""
+    return numerics.part_paths(state.model, list(state.model_info.language_model_paths))
+
+
 def run(state: RunState) -> StageResult:
     examples = state.example_inputs
     state.check_calls = {"text": examples.text} | ({"image": examples.image} if examples.image else {})
     if state.cfg.capture.mode == "none":
         # Still the reference for later stages that change the eager model (model-scope transforms).
-        state.reference = correctness.reference_outputs(state.model, state.check_calls)
+        state.reference = correctness.reference_outputs(state.model, state.check_calls, _parts(state))
         return StageResult(notes=["capture=none: the model stays eager, nothing exported"])
     paths, notes = _targets(state)
     capture_call = examples.image or examples.text  # the call whose kwargs the graph is exported from
@@ -43,8 +48,9 @@ def run(state: RunState) -> StageResult:
         state.check_calls = {"image": examples.image}
         notes.append("the full graph takes the image call's inputs; text-only calls need their own export")
 
+    parts = _parts(state)
     if state.deferred is None:
-        state.reference = correctness.reference_outputs(state.model, state.check_calls)
+        state.reference = correctness.reference_outputs(state.model, state.check_calls, parts)
     else:
         notes.append(
             "runtime.tp_weights=shard: the language model's linears are placeholders until the shard "
@@ -68,6 +74,7 @@ def run(state: RunState) -> StageResult:
         ).language_model_prefix = state.model_info.language_model_paths[0]
     result = StageResult(notes=notes)
     for captured in state.captured:
+        numerics.tag_layer_outputs(captured.graph_module, captured.path, parts)
         result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes
         result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
         result.artifacts += _write_graph_artifacts(state, captured)

@@ -19,6 +19,7 @@ from torch import fx
 from pipeline.transforms.graph import (
     aten,
     common_module_stack,
+    drop_dead,
     drop_parameters,
     fake_value,
     is_op,
@@ -74,7 +75,7 @@ class FuseGemms(Transform):
             replaced += [n.args[i].target for n in linears for i in ((1, 2) if has_bias else (1,))]
             self._fuse(gm, x, linears, weights, biases)
             matches += 1
-        gm.graph.eliminate_dead_code()  # the replaced linears' reads of their weights go first
+        drop_dead(gm)  # the replaced linears' reads of their weights go first
         drop_parameters(gm, replaced)
         return matches
 

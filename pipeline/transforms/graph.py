@@ -10,6 +10,8 @@ from torch import fx
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
+from pipeline.graphs import LAYER_OUTPUT
+
 aten = torch.ops.aten
 
 INT64_MAX = 9223372036854775807
@@ -20,9 +22,11 @@ def is_op(node: Any, *targets) -> bool:
 
 
 def replace(old: fx.Node, new: fx.Node) -> None:
-    """Redirect old's users to new, which inherits old's meta (shape, source, nn_module_stack)."""
+    """Redirect old's users to new, which inherits old's meta (shape, source, nn_module_stack) and
+    takes over its layer-output tag (old, now dead, then goes)."""
     for key, value in old.meta.items():
         new.meta.setdefault(key, value)
+    old.meta.pop(LAYER_OUTPUT, None)
     old.replace_all_uses_with(new)
 
 
@@ -38,9 +42,15 @@ def common_module_stack(nodes: Iterable[fx.Node]) -> dict:
     return dict(common)
 
 
+def drop_dead(gm: fx.GraphModule) -> None:
+    """Dead-code elimination that keeps a layer's tagged output: the per-layer numerics read it, and
+    where nothing does it costs nothing (a compiler drops it again)."""
+    gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or LAYER_OUTPUT in node.meta)
+
+
 def finish(gm: fx.GraphModule) -> None:
     """After every rewrite: drop dead nodes, check, recompile."""
-    gm.graph.eliminate_dead_code()
+    drop_dead(gm)
     gm.graph.lint()
     gm.recompile()
 

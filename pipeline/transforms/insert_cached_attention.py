@@ -33,7 +33,7 @@ from pipeline.attention import (
 from pipeline.attention.kv_cache import CacheSpec, PagedKVCache
 from pipeline.graphs import first_tensor, record_of
 from pipeline.models import masks
-from pipeline.transforms.graph import add_inputs, drop_unused_inputs, is_op, replace
+from pipeline.transforms.graph import add_inputs, drop_dead, drop_unused_inputs, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 ATTENTION = torch.ops.pipeline.attention.default
@@ -143,7 +143,7 @@ class InsertCachedAttention(Transform):
                 )  # fmt: skip
             replace(node, cached)
             gm.graph.erase_node(node)
-        gm.graph.eliminate_dead_code()
+        drop_dead(gm)
         record.unused_inputs += drop_unused_inputs(gm)
         record.tensor_inputs = [n for n in record.tensor_inputs if n not in record.unused_inputs]
         record.cache_specs = specs

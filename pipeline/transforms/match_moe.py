@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops used below)
-from pipeline.transforms.graph import aten, fake_value, is_op, replace
+from pipeline.transforms.graph import aten, drop_dead, fake_value, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
 MOE = torch.ops.pipeline.moe.default
@@ -216,7 +216,7 @@ def _drop_unread_inverse_permutations(gm: fx.GraphModule) -> None:
     """The grouped form's `inv_perm[perm] = arange` (an in-place index_put_ into an empty_like)
     is no longer read once its experts are replaced, but dead-code elimination keeps in-place ops:
     erase it, so the sort and arange it reads go too."""
-    gm.graph.eliminate_dead_code()
+    drop_dead(gm)
     for node in list(gm.graph.nodes):
         target = node.args[0] if is_op(node, aten.index_put_.default) else None
         if not node.users and is_op(target, aten.empty_like.default) and len(target.users) == 1:

@@ -41,7 +41,7 @@ from torch.fx.node import map_arg
 
 from pipeline import ops  # noqa: F401  (registers the canonical ops named below)
 from pipeline.models.deferred import DeferredWeights
-from pipeline.transforms.graph import aten, is_op
+from pipeline.transforms.graph import aten, drop_dead, is_op
 from pipeline.transforms.registry import Transform, TransformConfig, TransformContext, eager_modules, register
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -303,7 +303,7 @@ class Shard(Transform):
                 _vocab_parallel(gm, head, ctx)
                 path = _weight_name(head).removesuffix(".weight")
                 self.sharded.append(f"vocab-parallel {path} ({rows} rows) + all_gather")
-        gm.graph.eliminate_dead_code()  # the split weights' old reads go before the rest is filled
+        drop_dead(gm)  # the split weights' old reads go before the rest is filled
         if ctx.weights is not None:  # what no region split: whole
             ctx.weights.materialize_rest(gm)
         return len(self.sharded)
