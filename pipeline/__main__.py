@@ -104,7 +104,11 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
 
     config = typed(cfg)
     validate(config, cuda_available)
-    registry.parse(config.transforms)
+    transforms = registry.parse(config.transforms)
+    if config.profile.waterfall:
+        from pipeline import waterfall
+
+        waterfall.check(transforms)
     model_cfg = config.model
     if model_cfg.checkpoint:
         checkpoint.check_folder(model_cfg.checkpoint, need_weights=model_cfg.skip_loading_weights is not True)

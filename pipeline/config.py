@@ -114,6 +114,9 @@ class ProfileConfig:
     kernel_categories: dict[str, str] = field(default_factory=dict)
     table_depth: int | None = 4  # printed tables: deepest level shown (None: all)
     table_top_k: int | None = 8  # printed tables: largest children shown per node (None: all)
+    # true: also profile the model after each step from eager to captured (the graph with its cache,
+    # each further transform, the capture backend): what each bought and cost (pipeline/waterfall.py)
+    waterfall: bool = False
 
 
 @dataclass
@@ -370,6 +373,14 @@ def check_model(model: ModelConfig) -> None:
 def check_outputs(cfg: PipelineConfig) -> None:
     """The profile, report and benchmark sections."""
     _positive("profile.decode_steps", cfg.profile.decode_steps)
+    if cfg.profile.waterfall and not cfg.profile.enabled:
+        raise ConfigError("profile.waterfall=true profiles each step: set profile.enabled=true too")
+    if cfg.profile.waterfall and cfg.capture.mode == "none":
+        raise ConfigError(
+            "profile.waterfall=true steps from eager to a captured graph: use capture=partial or capture=full"
+        )
+    if cfg.profile.waterfall and cfg.runtime.world_size > 1:
+        raise ConfigError("profile.waterfall=true runs in one process: set runtime.world_size=1")
     _one_of("profile.reference", cfg.profile.reference, ("eager", "none"))
     for key in ("table_depth", "table_top_k"):
         if getattr(cfg.profile, key) is not None:

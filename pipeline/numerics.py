@@ -29,15 +29,15 @@ from torch.utils import _pytree as pytree
 from pipeline.graphs import LAYER_OUTPUT, find_graphs
 from pipeline.profiler.ranges import node_stack
 
-_VISION = re.compile(r"vision|visual|image_encoder")
-_PROJECTOR = re.compile(r"projector|multi_modal|mm_proj|connector")
+VISION = re.compile(r"vision|visual|image_encoder")
+PROJECTOR = re.compile(r"projector|multi_modal|mm_proj|connector")
 
 
 def part_paths(model: nn.Module, lm_paths: list[str]) -> list[str]:
     """The parts, in the order a forward runs them: the vision tower and projector of a VLM (the
     outermost modules named so, outside the language model), each decoder layer, the lm_head."""
     outside: list[str] = []
-    for kind in (_VISION, _PROJECTOR):
+    for kind in (VISION, PROJECTOR):
         for path, _ in model.named_modules():
             leaf = path.rsplit(".", 1)[-1]
             inside = any(path.startswith(p + ".") for p in lm_paths + outside)
@@ -179,3 +179,24 @@ def compare(
         max_rel = max_abs / max(float(scale.max()) if scale.numel() else 0.0, 1e-30)
         errors.append(PartError(part, max_abs, max_rel, max_rel > tolerance))
     return errors
+
+
+def measure(
+    model: nn.Module, reference, calls: dict[str, dict], tolerance: float, compile_copy
+) -> list[PartError]:
+    """Each part of `reference.part_order` on the model now, its worst over the calls (a part not
+    readable on any call stays so), in forward order. reference: correctness's Reference."""
+    worst: dict[str, PartError] = {}
+    for name, call in calls.items():
+        with recorded(model, reference.part_order) as eager_parts:
+            inside = graph_layer_outputs(model, call, compile_copy)
+        near = reference.router_near_ties.get(name)
+        for error in compare(
+            reference.parts[name], eager_parts | inside, reference.part_order, tolerance, near
+        ):
+            kept = worst.get(error.part)
+            if kept is None or kept.max_rel is None or error.max_rel is None:
+                worst[error.part] = error if kept is None or error.max_rel is None else kept
+            elif error.max_rel > kept.max_rel:
+                worst[error.part] = error
+    return [worst[p] for p in reference.part_order if p in worst]

@@ -14,11 +14,13 @@ from pipeline.export.graph_capture import CapturedGraph
 from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import ExampleInputs
 from pipeline.parallel import Rank
+from pipeline.runtime.requests import Request, build_requests
 from pipeline.transforms.registry import TransformHistory
 
 if TYPE_CHECKING:  # the modules that fill these fields import this one
     from transformers import PretrainedConfig
 
+    from pipeline.profiler.stepwise import Waterfall
     from pipeline.runtime.engine import DemoLLM, Generation
     from pipeline.runtime.requests import Sources
 
@@ -127,6 +129,15 @@ class RunState:
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
     rank: Rank | None = None  # among tensor-parallel ranks (runtime.world_size > 1); None: one process
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)
+    waterfall: Waterfall | None = None  # profile.waterfall=true: the steps measured so far
+
+    def workload(self) -> list[Request]:
+        """The run's requests: the configured prompts (and images) of `prompt`."""
+        cfg = self.cfg
+        return build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, self.hf_config, self.dtype, self.device, self.sources,
+            chunked=cfg.capture.mode != "none",
+        )  # fmt: skip
 
     def release(self) -> None:
         """Let go of everything that holds the model's tensors (the model, its graphs, the reference,

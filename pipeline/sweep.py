@@ -250,7 +250,7 @@ def compare(
     import matplotlib.pyplot as plt
 
     from pipeline.report.breakdown import align, parts_of
-    from pipeline.report.plots import breakdown_figure
+    from pipeline.report.plots import breakdown_figure, waterfalls_figure
 
     out = sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -287,6 +287,16 @@ def compare(
         fig = breakdown_figure(align(profiles, top), "Decode step by module, job by job")
         plots["sweep_module_breakdown"] = out / "module_breakdown.png"
         fig.savefig(plots["sweep_module_breakdown"], dpi=110)
+        plt.close(fig)
+    waterfalls = {
+        job["name"]: json.loads(path.read_text())
+        for job in jobs
+        if (path := Path(job["folder"]) / "waterfall" / "waterfall.json").exists()
+    }
+    if waterfalls:
+        fig = waterfalls_figure(waterfalls)
+        plots["sweep_waterfall"] = out / "waterfall.png"
+        fig.savefig(plots["sweep_waterfall"], dpi=110)
         plt.close(fig)
     sections = [
         Section("Jobs", [f"{len(jobs)} jobs, {len(failed)} failed.", table]),

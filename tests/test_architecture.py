@@ -30,6 +30,7 @@ LAYERS = [
     ["state"],
     ["correctness"],
     ["report"],
+    ["waterfall"],
     ["launchers"],
     ["sweep"],
     ["stages"],

@@ -162,3 +162,32 @@ def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, t
     else:  # in Ray's worker processes, which name the task and their pid before every line they pass on
         assert "(_run_job pid=" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "multirun" / "report" / "sweep.html").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_parent_shows_each_jobs_waterfall(tmp_path, tracking_uri):
+    """profile.waterfall=true over two models: the parent's report and MLflow images hold one
+    plot of both jobs' waterfalls, each relative to its own eager step."""
+    proc = run_pipeline(
+        [
+            "-m",
+            "model=tiny_llama3_1_8b,tiny_qwen3",
+            "profile.waterfall=true",
+            "backend=torch-simple",
+            "prompt.output_len=4",
+            "profile.decode_steps=2",
+            "profile.reference=none",
+            f"tracking.uri={tracking_uri}",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = tmp_path / "multirun" / "report"
+    assert (report / "waterfall.png").stat().st_size > 0
+    assert "waterfall" in (report / "sweep.html").read_text()
+    client, runs = mlflow_runs(tracking_uri)
+    parent = sweep_parent(runs)
+    images = {a.path for a in client.list_artifacts(parent.info.run_id, "images")}
+    assert any("sweep_waterfall" in path for path in images), images
+    for child in child_runs(runs, parent):
+        assert child.data.metrics["waterfall/eager/decode_ms"] > 0

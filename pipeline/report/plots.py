@@ -113,3 +113,72 @@ def numerics_plot(parts: list[str], max_rel: list[float | None], tolerance: floa
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def waterfall_plot(step_parts: dict[str, dict[str, dict[str, float]]], path: Path) -> Path:
+    """step_parts: phase -> step -> part -> device ms. One panel per phase, a stacked bar per step
+    (eager first), so what each step took off (or added to) each part shows bar to bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="notebook")
+    phases = list(step_parts)
+    fig, axes = plt.subplots(1, len(phases), figsize=(7 * len(phases), 5))
+    axes = list(axes) if len(phases) > 1 else [axes]
+    parts = sorted(
+        {p for steps in step_parts.values() for s in steps.values() for p, ms in s.items() if ms > 0}
+    )
+    colors = dict(zip(parts, sns.color_palette("tab10", n_colors=max(len(parts), 1)), strict=False))
+    for ax, phase in zip(axes, phases, strict=True):
+        frame = pd.DataFrame(step_parts[phase]).T.reindex(columns=parts).fillna(0.0)
+        frame.plot(kind="bar", stacked=True, ax=ax, color=[colors[p] for p in parts], legend=False, width=0.7)
+        ax.set_title(f"{phase}: device ms per step after each step")
+        ax.set_ylabel("device ms per step")
+        ax.tick_params(axis="x", labelrotation=45)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def waterfalls_figure(waterfalls: dict[str, dict[str, Any]]):
+    """Several jobs' waterfalls side by side (a sweep's parent): per phase, each job's device ms
+    per step after each step, relative to its own eager step (1.0), so models of any size share
+    an axis; a step a job did not take is left out of its line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="notebook")
+    order: list[str] = []
+    for data in waterfalls.values():
+        order += [s["name"] for s in data["steps"] if s["name"] not in order]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
+        for job, data in waterfalls.items():
+            steps = data["steps"]
+            eager = steps[0]["phase_ms"][phase]
+            ax.plot(
+                [order.index(s["name"]) for s in steps],
+                [s["phase_ms"][phase] / eager for s in steps],
+                marker="o",
+                label=job,
+            )
+        ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
+        ax.set_xticks(range(len(order)), order, rotation=45, ha="right", fontsize=8)
+        ax.set_title(f"{phase}: device ms per step, relative to eager")
+    axes[0].set_ylabel("x eager's time (lower is faster)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig

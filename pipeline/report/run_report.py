@@ -271,6 +271,12 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
                 ],
             )
         )
+    folder = state.run_dir / "waterfall"
+    if (folder / "waterfall.txt").exists():
+        section.blocks.append(Pre((folder / "waterfall.txt").read_text()))
+        section.blocks.append(
+            Image(folder / "waterfall.png", "Device time per step after each step, by part")
+        )
     roofline = profile.get("roofline", {})
     for phase, rows in roofline.get("phases", {}).items():
         section.blocks.append(Pre(roofline_table(rows, phase, Roofs(**roofline["roofs"]))))

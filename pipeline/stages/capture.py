@@ -8,7 +8,7 @@ import time
 
 from torch import nn
 
-from pipeline import backends, correctness
+from pipeline import backends, correctness, waterfall
 from pipeline.backends.compile import compiled_frames
 from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
@@ -16,7 +16,6 @@ from pipeline.faults import maybe_fail
 from pipeline.graphs import find_graphs
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.stages.generate import workload
 from pipeline.state import RunState, StageResult
 
 
@@ -68,6 +67,8 @@ def run(state: RunState) -> StageResult:
         return result
     result.metrics["capture/compile_s"] = time.perf_counter() - start
     result.metrics["capture/graphs"] = len(targets)
+    if state.waterfall is not None:
+        waterfall.measure(state, state.backend, result.metrics["capture/compile_s"])
     result.metrics["capture/compiled_frames"] = compiled_frames() - frames
     state.compiled_frames = compiled_frames()
     result.notes.append(
@@ -88,6 +89,6 @@ def _warm_up(state: RunState) -> None:
         engine = DemoLLM(state.model, state.hf_config, state.cfg.runtime, state.device, eos_ids=set())
     except ValueError:
         return  # demollm cannot drive this model: the generate stage fails and says why
-    requests = workload(state)
+    requests = state.workload()
     for batch in (requests, requests[:1]):
         engine.generate(batch, 3, SamplingParams(), state.cfg.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline import correctness, numerics
+from pipeline import correctness, numerics, waterfall
 from pipeline.errors import StageFailure, short_cause
 from pipeline.export import graph_capture
 from pipeline.graphs import record_of
@@ -51,6 +51,8 @@ def run(state: RunState) -> StageResult:
     parts = _parts(state)
     if state.deferred is None:
         state.reference = correctness.reference_outputs(state.model, state.check_calls, parts)
+    if state.cfg.profile.waterfall:
+        waterfall.start(state)
     else:
         notes.append(
             "runtime.tp_weights=shard: the language model's linears are placeholders until the shard "

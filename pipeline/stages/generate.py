@@ -10,7 +10,6 @@ from pipeline.models.zoo import eos_ids
 from pipeline.runtime import metrics as generation
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import MachineLoad, noise_verdict, quantile, read_limit_gbs
-from pipeline.runtime.requests import Request, build_requests
 from pipeline.runtime.routed_bytes import routed_decode_bytes
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
@@ -25,18 +24,9 @@ def _decode_bytes(state: RunState) -> int:
     return decode_weight_bytes(state.model, paths[0] if paths else "")
 
 
-def workload(state: RunState) -> list[Request]:
-    """The run's requests: the configured prompts (and images) of `prompt`."""
-    cfg = state.cfg
-    return build_requests(
-        cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources,
-        chunked=cfg.capture.mode != "none",
-    )  # fmt: skip
-
-
 def run(state: RunState) -> StageResult:
     cfg = state.cfg
-    requests = workload(state)
+    requests = state.workload()
     try:
         engine = DemoLLM(state.model, state.hf_config, cfg.runtime, state.device, eos_ids(state.hf_config))
     except ValueError as exc:

@@ -23,9 +23,9 @@ def metric_name(part: str) -> str:
     leaf = part.rsplit(".", 1)[-1]
     kind = (
         "vision_tower"
-        if numerics._VISION.search(leaf)
+        if numerics.VISION.search(leaf)
         else "projector"
-        if numerics._PROJECTOR.search(leaf)
+        if numerics.PROJECTOR.search(leaf)
         else leaf
     )
     return f"numerics/{kind}_max_abs_err"
@@ -37,25 +37,9 @@ def run(state: RunState) -> StageResult:
         return StageResult(notes=["no eager reference to compare parts with (runtime.tp_weights=shard)"])
     tolerance = TOLERANCE[state.dtype]
     compile_copy = compile_module if state.backend in COMPILING else (lambda _module: None)
-    worst: dict[str, numerics.PartError] = {}
-    for name, call in state.check_calls.items():
-        with numerics.recorded(state.model, reference.part_order) as eager_parts:
-            inside = numerics.graph_layer_outputs(state.model, call, compile_copy)
-        errors = numerics.compare(
-            reference.parts[name], eager_parts | inside, reference.part_order, tolerance,
-            reference.router_near_ties.get(name),
-        )  # fmt: skip
-        for error in errors:
-            kept = worst.get(error.part)
-            if (
-                kept is None
-                or (error.max_rel is None)
-                or (kept.max_rel is not None and error.max_rel > kept.max_rel)
-            ):
-                worst[error.part] = error
+    rows = numerics.measure(state.model, reference, state.check_calls, tolerance, compile_copy)
     # The copies compiled here are not generation's: recompiles count from now.
     state.compiled_frames = compiled_frames()
-    rows = [worst[p] for p in reference.part_order if p in worst]
     folder = state.run_dir / "numerics"
     folder.mkdir(parents=True, exist_ok=True)
     table = numerics_table(rows, tolerance)

@@ -10,20 +10,21 @@ generation of the same workload runs first (pipeline/profiler/session.py).
 
 from __future__ import annotations
 
+import json
 import logging
 
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
-from pipeline.profiler import provenance, session
+from pipeline.profiler import provenance, session, stepwise
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
+from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
 from pipeline.report.roofline import Roofs, roofline, roofline_table
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import gemm_tflops
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.stages.generate import workload
 from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import model_passes_undone, rewritten_modules
 
@@ -56,7 +57,7 @@ def _context(state: RunState) -> dict:
 
 def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> session.ProfiledRun:
     cfg = state.cfg
-    requests = workload(state)
+    requests = state.workload()
     params = SamplingParams(**vars(cfg.runtime.sampling))
 
     def generate(max_new_tokens, after_step):
@@ -225,4 +226,39 @@ def run(state: RunState) -> StageResult:
         "tables/module_breakdown.json": long_table(profile, "module"),
         "tables/kernel_categories.json": long_table(profile, "category"),
     }
-    return StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes, tables=tables)
+    result = StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes, tables=tables)
+    if state.waterfall is not None:
+        _write_waterfall(state, result)
+    return result
+
+
+def _write_waterfall(state: RunState, result: StageResult) -> None:
+    """waterfall/: the steps as JSON and a table, the stacked-bar plot; metrics
+    waterfall/<step>/<phase>_ms, an MLflow table, and the table in the log."""
+    steps = state.waterfall.steps
+    folder = state.run_dir / "waterfall"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = stepwise.table(state.waterfall)
+    (folder / "waterfall.txt").write_text(text + "\n")
+    (folder / "waterfall.json").write_text(json.dumps(state.waterfall.as_dict(), indent=1))
+    plot = waterfall_plot(
+        {phase: {s.name: s.part_ms[phase] for s in steps} for phase in stepwise.PHASES},
+        folder / "waterfall.png",
+    )
+    result.artifacts += [folder / "waterfall.txt", folder / "waterfall.json", plot, folder / "graphs"]
+    result.images["waterfall"] = plot
+    shares = {phase: state.waterfall.shares(phase) for phase in stepwise.PHASES}
+    first = state.waterfall.first_drift()
+    result.tables["tables/waterfall.json"] = {
+        "step": [s.name for s in steps],
+        **{f"{phase}_ms": [s.phase_ms[phase] for s in steps] for phase in stepwise.PHASES},
+        **{f"{phase}_share": shares[phase] for phase in stepwise.PHASES},
+        "cost_s": [s.cost_s for s in steps],
+        "memory_mb": [s.memory_mb for s in steps],
+        "nodes": [s.nodes for s in steps],
+        "first_drift": [", ".join(p for p, at in first.items() if at == s.name) for s in steps],
+    }
+    for step in steps:
+        for phase in stepwise.PHASES:
+            result.metrics[f"waterfall/{step.name}/{phase}_ms"] = step.phase_ms[phase]
+    result.notes += text.splitlines()

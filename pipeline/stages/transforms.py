@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from pipeline import correctness
+from pipeline import correctness, waterfall
 from pipeline.errors import StageFailure
 from pipeline.graphs import find_graphs
 from pipeline.models.memory import human_bytes
@@ -28,7 +28,10 @@ def run(state: RunState) -> StageResult:
     history = state.transform_history = registry.TransformHistory()
     result = StageResult()
     try:
-        registry.run_transforms(state.model, transforms, ctx, history)
+        if state.waterfall is None:
+            registry.run_transforms(state.model, transforms, ctx, history)
+        else:
+            _stepwise(state, transforms, ctx, history)
     except registry.TransformFailed as failed:
         _report(state, history, result)
         raise StageFailure(
@@ -61,6 +64,18 @@ def run(state: RunState) -> StageResult:
     else:
         result.notes.append("nothing matched: the model is unchanged")
     return result
+
+
+def _stepwise(state: RunState, transforms, ctx, history: registry.TransformHistory) -> None:
+    """profile.waterfall=true: the transforms as the waterfall's steps, each measured once applied
+    (one that matched nothing changed nothing, and is no step)."""
+    for group in waterfall.order(transforms):
+        done = len(history.records)
+        registry.run_transforms(state.model, group, ctx, history)
+        records = history.records[done:]
+        if any(r.matches for r in records):
+            name = "graph_and_cache" if group[0].name in waterfall.DECODING else group[0].name
+            waterfall.measure(state, name, sum(r.seconds for r in records))
 
 
 def _report(state: RunState, history: registry.TransformHistory, result: StageResult) -> None:

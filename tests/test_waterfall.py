@@ -1,0 +1,100 @@
+"""profile.waterfall=true: each step from Hugging Face eager to the captured model, measured on the
+one model as the stages advance it, with the step at which a layer first leaves eager."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from conftest import compose_cfg, job_of, staged
+
+from pipeline import waterfall
+from pipeline.config import validate
+from pipeline.errors import ConfigError, StageFailure
+from pipeline.profiler import stepwise
+from pipeline.profiler.ranges import node_stack
+from pipeline.runner import new_state, run_stage
+from pipeline.transforms import registry
+from pipeline.transforms.match_rope import MatchRope
+
+QUIET = ["profile.decode_steps=2", "report.enabled=false", "tracking.enabled=false"]
+MODEL = ["model=tiny_llama3_1_8b", "backend=torch-compile", "profile.waterfall=true"]
+
+
+@pytest.mark.slow
+def test_each_step_is_measured_and_the_shares_add_up():
+    with staged([*MODEL, *QUIET], "profile") as state:
+        steps = state.waterfall.steps
+        names = [s.name for s in steps]
+        assert names[:2] == ["eager", "graph_and_cache"] and names[-1] == "torch-compile"
+        applied = {r.transform for r in state.transform_history.records if r.matches}
+        assert set(names[2:-1]) == applied - set(waterfall.DECODING)
+        for phase in stepwise.PHASES:
+            assert sum(state.waterfall.shares(phase)[1:]) == pytest.approx(1.0)
+            assert all(s.phase_ms[phase] > 0 for s in steps)
+        capture = next(r for r in state.stages if r.name == "capture")
+        assert steps[-1].cost_s == capture.metrics["capture/compile_s"]
+        assert not state.waterfall.first_drift()
+        profile = next(r for r in state.stages if r.name == "profile")
+        assert profile.metrics["waterfall/eager/decode_ms"] == steps[0].phase_ms["decode"]
+        assert (state.run_dir / "waterfall" / "waterfall.png").stat().st_size > 0
+        assert "eager -> torch-compile" in (state.run_dir / "waterfall" / "waterfall.txt").read_text()
+        # Each step's graph as code, headed by its node count: fuse_gemms's has the fused weights.
+        fused = names.index("fuse_gemms")
+        assert steps[fused].nodes != steps[fused - 1].nodes
+        code = (state.run_dir / "waterfall" / "graphs" / "fuse_gemms" / "root.py").read_text()
+        assert code.startswith(f"# {steps[fused].nodes} nodes") and "fused_q_proj_k_proj_v_proj" in code
+
+
+def test_a_broken_transform_is_named_with_the_layer_it_broke(tmp_path, monkeypatch):
+    """match_rope made to rotate layer 1's queries and keys the wrong way: the waterfall names
+    layer 1 (and what follows it) as first drifting at match_rope, layer 0 never, against Hugging
+    Face's own outputs; the transforms stage then fails its logits check."""
+    rewrite = MatchRope.apply_graph
+
+    def broken(self, gm, ctx):
+        matches = rewrite(self, gm, ctx)
+        for node in list(gm.graph.nodes):
+            stack = node_stack(node) or []
+            if node.target is torch.ops.pipeline.rope.default and any(
+                p.startswith("model.layers.1.") for _, p, _ in stack
+            ):
+                with gm.graph.inserting_before(node):
+                    negated = gm.graph.call_function(operator.neg, (node.args[2],))
+                node.args = (*node.args[:2], negated)
+        return matches
+
+    monkeypatch.setattr(MatchRope, "apply_graph", broken)
+    state = new_state(
+        job_of(["model=tiny_llama3_1_8b", "backend=torch-simple", "profile.waterfall=true", *QUIET], tmp_path)
+    )
+    try:
+        for stage in ("load", "export"):
+            run_stage(state, stage)
+        with pytest.raises(StageFailure, match="max_abs_err"):
+            run_stage(state, "transforms")
+        first = state.waterfall.first_drift()
+        assert first["model.layers.1"] == "match_rope" and "model.layers.0" not in first
+        assert [s.name for s in state.waterfall.steps][:3] == ["eager", "graph_and_cache", "match_rope"]
+    finally:
+        state.release()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["capture=none"], "use capture=partial or capture=full"),
+        (["profile.enabled=false"], "set profile.enabled=true too"),
+    ],
+)
+def test_a_waterfall_that_cannot_run_is_refused_up_front(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_cfg(["profile.waterfall=true", *overrides]), cuda_available=False)
+
+
+def test_a_waterfall_needs_a_graph_that_decodes():
+    transforms = registry.parse(compose_cfg(["transforms.insert_cached_attention.enabled=false"]).transforms)
+    with pytest.raises(ConfigError, match="enable transforms.insert_cached_attention"):
+        waterfall.check(transforms)
+    waterfall.check(registry.parse(compose_cfg().transforms))  # the default order holds
