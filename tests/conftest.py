@@ -107,12 +107,14 @@ def job_of(overrides: list[str], run_dir: Path, dtype=torch.float32, device: str
 
 
 @contextlib.contextmanager
-def staged(overrides: list[str], until: str, run_dir: Path | None = None, dtype=torch.float32):
+def staged(
+    overrides: list[str], until: str, run_dir: Path | None = None, dtype=torch.float32, device: str = "cpu"
+):
     """The runner's state for OVERRIDES advanced through stage `until`, its files in run_dir (a
     temporary folder, removed afterwards, where none is given); released afterwards."""
     with contextlib.ExitStack() as stack:
         folder = run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        state = new_state(job_of(overrides, folder, dtype))
+        state = new_state(job_of(overrides, folder, dtype, device))
         try:
             yield advance(state, until)
         finally:

@@ -98,3 +98,17 @@ def test_a_waterfall_needs_a_graph_that_decodes():
     with pytest.raises(ConfigError, match="enable transforms.insert_cached_attention"):
         waterfall.check(transforms)
     waterfall.check(registry.parse(compose_cfg().transforms))  # the default order holds
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
+def test_the_waterfall_of_a_gpu_backend(backend):
+    """On a GPU the last step is the CUDA-graph backend: its decode replays are profiled and
+    attributed as the profile stage's are, and nothing drifts in bfloat16."""
+    overrides = ["model=tiny_llama3_1_8b", f"backend={backend}", "profile.waterfall=true", *QUIET]
+    with staged(overrides, "profile", dtype=torch.bfloat16, device="cuda") as state:
+        steps = state.waterfall.steps
+        assert [s.name for s in steps][:2] == ["eager", "graph_and_cache"] and steps[-1].name == backend
+        for phase in stepwise.PHASES:
+            assert sum(state.waterfall.shares(phase)[1:]) == pytest.approx(1.0)
+        assert not state.waterfall.first_drift()
