@@ -155,7 +155,8 @@ def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
     assert "| transforms | done |" in md and " s (table below" in md
     assert "| latency/decode_p90_ms |" in md and "| ms |" in md
     html = (run / "report" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3
+    assert html.count("data:image/png;base64,") == 4  # three breakdowns, the numerics along depth
+    assert "max relative difference along depth" in html
     console = proc.stdout + proc.stderr
     summary = [line.split("summary: ", 1)[1] for line in console.splitlines() if "summary: " in line]
     assert summary[-1].startswith("report:") and any(line.startswith("prefill") for line in summary)
