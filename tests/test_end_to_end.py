@@ -77,7 +77,16 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     traces = client.search_traces(experiment_ids=[run.info.experiment_id])
     spans = [s.name for s in traces[0].data.spans]
     assert traces[0].info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
-    assert spans[1:] == ["load", "export", "transforms", "capture", "numerics", "generate", "profile", "report"]
+    assert spans[1:] == [
+        "load",
+        "export",
+        "transforms",
+        "capture",
+        "numerics",
+        "generate",
+        "profile",
+        "report",
+    ]
     metrics = run.data.metrics
     check_documented(set(metrics))
     assert any(k.startswith("system/cpu") for k in metrics)
