@@ -230,8 +230,12 @@ def test_compare_flags_a_moved_ratio_and_not_a_noisy_one():
     results = json.loads((REPO_ROOT / "BENCHMARKS.json").read_text())
     lines, moved = compare.compare(results, results, 10.0)
     assert moved == [] and len(lines) > 20
+    # float32 batch 1 demollm, its ratio to HF eager taken as quiet in the first run (the committed
+    # run may have marked it NOISY: that is the case below)
+    figures = results["decode"][0]["rows"][0]["runners"][1]["noisy_figures"]
+    figures[:] = [f for f in figures if f != "vs_reference"]
     later = copy.deepcopy(results)
-    runner = later["decode"][0]["rows"][0]["runners"][1]  # float32 batch 1 demollm
+    runner = later["decode"][0]["rows"][0]["runners"][1]
     runner["vs_reference"]["median"] *= 1.2
     name = f"{decode.label(later, later['decode'][0])} b1 {runner['runner']} / HF eager"
     lines, moved = compare.compare(results, later, 10.0)
