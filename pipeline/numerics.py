@@ -181,6 +181,11 @@ def compare(
     return errors
 
 
+def _badness(error: PartError) -> float:
+    """How far a part is from eager: not readable at all is worst."""
+    return float("inf") if error.max_rel is None else error.max_rel
+
+
 def measure(
     model: nn.Module, reference, calls: dict[str, dict], tolerance: float, compile_copy
 ) -> list[PartError]:
@@ -195,8 +200,6 @@ def measure(
             reference.parts[name], eager_parts | inside, reference.part_order, tolerance, near
         ):
             kept = worst.get(error.part)
-            if kept is None or kept.max_rel is None or error.max_rel is None:
-                worst[error.part] = error if kept is None or error.max_rel is None else kept
-            elif error.max_rel > kept.max_rel:
+            if kept is None or _badness(error) > _badness(kept):
                 worst[error.part] = error
     return [worst[p] for p in reference.part_order if p in worst]
