@@ -22,7 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import launchers, ranks, sweep
-from pipeline.config import PipelineConfig, register_schemas, resolve_attention, runs_on_cuda, typed, validate
+from pipeline.config import (
+    CUDA_ONLY_BACKENDS,
+    PipelineConfig,
+    register_schemas,
+    resolve_attention,
+    resolve_backend,
+    runs_on_cuda,
+    typed,
+    validate,
+)
 from pipeline.devices import free_memory, resolve_device, resolve_dtype
 from pipeline.errors import ConfigError, RunFailed
 from pipeline.runtime.host_memory import give_back_freed_memory
@@ -171,6 +180,21 @@ def _job(cfg: DictConfig) -> None:
         " profile.reference=none" if ranks.profiles_eager_reference(config) else ""
     )
     check_fits(checked.params, checked.hf_config, config.runtime, config.model.name, dtype, device, shard_fix)
+    if config.backend.piecewise and resolve_backend(config, device.type == "cuda") in CUDA_ONLY_BACKENDS:
+        from pipeline.backends.cudagraph import default_buckets
+        from pipeline.models.memory import check_piecewise_fits, free_bytes
+
+        buckets = config.backend.piecewise_tokens or default_buckets(config.runtime.max_num_tokens)
+        capture_head = config.backend.piecewise_capture_lm_head
+        check_piecewise_fits(
+            checked.params,
+            checked.hf_config,
+            config.runtime,
+            buckets,
+            capture_head,
+            dtype,
+            free_bytes(device),
+        )
     if note:
         log.warning(note)
     hydra_cfg = HydraConfig.get()

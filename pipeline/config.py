@@ -80,6 +80,16 @@ class BackendConfig:
         None  # eager: on a compile/capture failure go on uncompiled, tagged capture_fallback
     )
     cuda_graph_batch_sizes: list[int] | None = None  # decode buckets; None: 1, 2, 4, ... max_batch_size
+    # Piecewise capture (backends/piecewise.py): the cached graph split at the ops whose work depends
+    # on the step's sequence layout (attention.LAYOUT_OPS); every step that is not decode-only is
+    # padded to a token bucket and runs the static segments compiled (torch-compile) or replayed
+    # per bucket (torch-cudagraph, torch-opt), the layout ops eagerly between them; decode keeps
+    # the full graph
+    piecewise: bool = False
+    piecewise_tokens: list[int] | None = None  # token buckets; None: 1, 2, 4, ... runtime.max_num_tokens
+    # The segment after the last layout op that computes the logits (capture=full): its buffers grow
+    # with vocabulary x tokens, so by default it runs uncaptured after the replays
+    piecewise_capture_lm_head: bool = False
 
 
 @dataclass
@@ -285,9 +295,43 @@ def check_capture(cfg: PipelineConfig) -> None:
                 f"backend.cuda_graph_batch_sizes has {size}; each must be in 1..runtime.max_batch_size"
                 f"={cfg.runtime.max_batch_size}"
             )
+    check_piecewise(cfg)
     if cfg.capture.submodules is not None and cfg.capture.mode != "partial":
         raise ConfigError(
             f"capture.submodules is set but capture={cfg.capture.mode}; use capture=partial or drop capture.submodules"
+        )
+
+
+def check_piecewise(cfg: PipelineConfig) -> None:
+    backend = cfg.backend
+    for size in backend.piecewise_tokens or []:
+        if not 0 < size <= cfg.runtime.max_num_tokens:
+            raise ConfigError(
+                f"backend.piecewise_tokens has {size}; each must be in 1..runtime.max_num_tokens"
+                f"={cfg.runtime.max_num_tokens}"
+            )
+    if not backend.piecewise:
+        if backend.piecewise_tokens is not None or backend.piecewise_capture_lm_head:
+            raise ConfigError(
+                "backend.piecewise_tokens or backend.piecewise_capture_lm_head is set but "
+                "backend.piecewise=false; add backend.piecewise=true"
+            )
+        return
+    if cfg.capture.mode == "none":
+        raise ConfigError(
+            "backend.piecewise=true splits a captured graph, and capture=none has none; "
+            "use capture=partial or capture=full"
+        )
+    if backend.name == "torch-simple":
+        raise ConfigError(
+            "backend.piecewise=true with backend=torch-simple has nothing to compile or capture; "
+            "use backend=torch-compile, torch-cudagraph or torch-opt"
+        )
+    cached = cfg.transforms.get("insert_cached_attention")
+    if cached is None or (cached or {}).get("enabled", True) is False:
+        raise ConfigError(
+            "backend.piecewise=true splits the graph at its cached-attention ops, and "
+            "transforms.insert_cached_attention is off; enable it (transforms=default)"
         )
 
 

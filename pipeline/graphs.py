@@ -32,6 +32,20 @@ RuntimeInputs = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 @dataclass
+class Segment:
+    """One piece of a graph split for piecewise capture (transforms/split_piecewise.py)."""
+
+    index: int
+    kind: str  # static (captured per token bucket) | layout (runs eagerly) | head (the logits)
+    nodes: list[str]  # the graph's node names, in order
+    modules: list[str] = field(default_factory=list)  # the outermost modules its nodes ran under
+
+    def describe(self) -> str:
+        where = f" in {self.modules[0]}" + (f" .. {self.modules[-1]}" if len(self.modules) > 1 else "")
+        return f"segment {self.index} {self.kind}: {len(self.nodes)} nodes{where if self.modules else ''}"
+
+
+@dataclass
 class GraphRecord:
     path: str  # dotted path in the parent model; "" when the whole model was captured
     config: Any  # the HF config of the module the graph replaced
@@ -44,6 +58,8 @@ class GraphRecord:
     # Inputs the graph no longer reads (HF's mask, once cached attention replaced the attention that
     # read it): a call may still pass them, and they are not forwarded
     unused_inputs: list[str] = field(default_factory=list)
+    # backend.piecewise=true: the graph's pieces in order, each node's in its meta (SEGMENT)
+    segments: list[Segment] = field(default_factory=list)
     # The eager module the graph replaced (its weights are the graph's, or were before a rewrite
     # copied them): what an eager reference profile runs in its place
     original: nn.Module | None = field(default=None, repr=False)
@@ -65,6 +81,8 @@ class GraphRecord:
 # export (numerics.tag_layer_outputs), carried by rewrites (transforms/graph.replace) and kept alive
 # by their dead-code pass, for the per-layer numerics.
 LAYER_OUTPUT = "layer_output"
+# Node meta: the index of the piecewise segment the node belongs to (GraphRecord.segments)
+SEGMENT = "piecewise_segment"
 
 
 def record_of(gm: nn.Module) -> GraphRecord:

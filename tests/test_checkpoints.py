@@ -390,3 +390,26 @@ def test_the_command_line_runs_a_checkpoint_with_chat_and_image_queries(
     assert "language model at: model.language_model" in (tmp_path / "run" / "pipeline.log").read_text()
     phases = json.loads((tmp_path / "run" / "profile" / "profile.json").read_text())["phases"]
     assert {"prefill", "prefill_2", "decode_1", "decode"} <= set(phases)  # a window per step, queued ones too
+
+
+def test_piecewise_capture_generates_what_hugging_face_generates(folders, photo, tmp_path):
+    """backend=torch-compile backend.piecewise=true on a saved mistral3 folder: text, chat and
+    chat-with-image queries in one batch of mixed prompt lengths prefill through the token buckets'
+    pieces, and the tokens are those of Hugging Face's from_pretrained + generate."""
+    name = "tiny_mistral3"
+    overrides = [
+        "model=hf", f"model.checkpoint={folders[name]}", f"prompt.queries={hydra_value(_queries(name, photo))}",
+        "prompt.output_len=6", "backend=torch-compile", "backend.piecewise=true", "profile.enabled=false",
+        "report.enabled=false", "tracking.enabled=false",
+    ]  # fmt: skip
+    checked = check_config(compose_dict(overrides), cuda_available=False)
+    with staged(overrides, "generate", tmp_path) as state:
+        assert next(r for r in state.stages if r.name == "generate").metrics["piecewise/steps"] >= 1
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, state.dtype, state.device, state.sources
+        )
+        assert len({len(r.prompt) for r in requests}) > 1 and any(r.images for r in requests)
+    tokens = generated_tokens(tmp_path)
+    expected = _hf_reference(checked.model_cls, folders[name], requests, torch.float32, 6)
+    assert tokens == {r.seq_id: expected[r.seq_id] for r in requests}

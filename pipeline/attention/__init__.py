@@ -16,6 +16,19 @@ SUPPORTS = {
     "flashinfer": {"sliding_window", "softcap"},
 }
 
+# The ops whose work depends on the step's sequence layout (how many sequences, where each starts,
+# what each has cached): piecewise capture (backends/piecewise.py) runs them eagerly between the
+# captured segments, since a replay fixes every shape and address. Everything else in a cached
+# graph works per token.
+LAYOUT_OPS = frozenset(
+    {
+        "pipeline::attention_plan",
+        "pipeline::cached_attention",
+        "pipeline::cached_attention_triton",
+        "pipeline::cached_attention_flashinfer",
+    }
+)
+
 
 def cached_attention_op(backend: str):
     """The op for an attention backend name (already resolved from `auto`)."""

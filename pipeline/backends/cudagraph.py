@@ -26,13 +26,14 @@ from pipeline.config import RuntimeConfig
 from pipeline.graphs import record_of
 
 
-def default_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, ... up to and including max_batch_size."""
+def default_buckets(largest: int) -> list[int]:
+    """1, 2, 4, 8, ... up to and including `largest` (runtime.max_batch_size for decode batches,
+    runtime.max_num_tokens for piecewise token buckets)."""
     buckets, b = [], 1
-    while b < max_batch_size:
+    while b < largest:
         buckets.append(b)
         b *= 2
-    return buckets + [max_batch_size]
+    return buckets + [largest]
 
 
 def pick_bucket(n: int, buckets: list[int]) -> int | None:

@@ -88,8 +88,10 @@ def gpu_markdown(gpu: dict) -> list[str]:
         f"Recorded with `python -m pipeline.bench --device cuda` (saved in {GPU_RESULTS.name}). "
         + _header(gpu["machine"], gpu["date"]),
     ]
-    for result in gpu["backends"]:
+    for result in gpu.get("backends", []):
         lines += ["", *decode.backends_markdown(result, GPU_TARGET)]
+    if "piecewise" in gpu:
+        lines += ["", *prefill.piecewise_markdown(gpu["piecewise"])]
     return lines
 
 
@@ -195,6 +197,8 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         lines += ["", *engine_work.markdown(results["engine_work"])]
     if "prefill" in results:
         lines += ["", *prefill.markdown(results["prefill"])]
+    if "piecewise" in results:
+        lines += ["", *prefill.piecewise_markdown(results["piecewise"])]
     if "run" in results:
         lines += ["", *pipeline_run.markdown(results["run"])]
     if results.get("plot"):
@@ -273,7 +277,7 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
-ROWS = ("load", "export", "decode", "moe", "backends", "engine_work", "prefill", "run")
+ROWS = ("load", "export", "decode", "moe", "backends", "engine_work", "prefill", "piecewise", "run")
 
 
 def is_part(rows) -> bool:
@@ -367,6 +371,11 @@ def main() -> None:
         help="the seed's layout at tiny size, for the host-work counts",
     )
     parser.add_argument("--prefill-tokens", default="128,1024")
+    parser.add_argument(
+        "--piecewise-tokens",
+        default="128,1000",
+        help="prompt lengths of the piecewise prefill rows: one at a bucket, one padded to the next",
+    )
     parser.add_argument("--run-repeats", type=int, default=3, help="whole `make run`s, one after another")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument(
@@ -396,23 +405,37 @@ def main() -> None:
         return
     models = [args.small_model, args.model]
     if args.device == "cuda":
-        gpu = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "backends": []}
-        for name in reversed(models):  # the default model first: its row carries the GPU target
-            gpu["backends"].append(
-                decode.bench_backends(
-                    name,
-                    1,
-                    args.prompt_len,
-                    args.backend_steps,
-                    args.backend_repeats,
-                    torch.device("cuda"),
-                    torch.bfloat16,
-                    GPU_BACKENDS,
-                    stepped=["torch-cudagraph"],
-                    without_kernels=["torch-cudagraph"],
+        # The GPU blocks: the per-backend decode rows and the piecewise prefill rows. A part of them
+        # (--rows) keeps the other block of the record as it was.
+        wanted = [r for r in args.rows.split(",") if r in ("backends", "piecewise")]
+        if not wanted:
+            raise SystemExit(f"--device cuda --rows {args.rows}: the GPU blocks are backends and piecewise")
+        kept = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() and len(wanted) < 2 else {}
+        gpu = {**kept, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+        if "backends" in wanted:
+            gpu["backends"] = []
+            for name in reversed(models):  # the default model first: its row carries the GPU target
+                gpu["backends"].append(
+                    decode.bench_backends(
+                        name,
+                        1,
+                        args.prompt_len,
+                        args.backend_steps,
+                        args.backend_repeats,
+                        torch.device("cuda"),
+                        torch.bfloat16,
+                        GPU_BACKENDS,
+                        stepped=["torch-cudagraph"],
+                        without_kernels=["torch-cudagraph"],
+                    )
                 )
-            )
-            GPU_RESULTS.write_text(json.dumps(gpu, indent=2))  # each model as soon as it is done
+                GPU_RESULTS.write_text(json.dumps(gpu, indent=2))  # each model as soon as it is done
+        if "piecewise" in wanted:
+            gpu["piecewise"] = prefill.bench_piecewise_prefill(
+                args.model, [int(t) for t in args.piecewise_tokens.split(",")], args.repeats,
+                torch.device("cuda"), torch.bfloat16,
+            )  # fmt: skip
+            GPU_RESULTS.write_text(json.dumps(gpu, indent=2))
         print("\n".join(gpu_markdown(gpu)))
         return
     rows = parse_rows(args.rows, args.output)
@@ -481,6 +504,11 @@ def main() -> None:
             results["prefill"] = prefill.bench_prefill(
                 args.model, [int(t) for t in args.prefill_tokens.split(",")], args.repeats
             )
+        if "piecewise" in rows:
+            results["piecewise"] = prefill.bench_piecewise_prefill(
+                args.model, [int(t) for t in args.piecewise_tokens.split(",")], args.repeats,
+                torch.device("cpu"), torch.float32,
+            )  # fmt: skip
         if whole_run is not None:
             results["run"] = whole_run
     results["machine_load"] = {"other_cores": busy.other_cores, "start": load_start, "end": machine_load()}

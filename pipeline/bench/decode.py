@@ -20,6 +20,7 @@ from pipeline.bench import rounds
 from pipeline.bench.child import in_child
 from pipeline.bench.limits import ReadLimit, WeightPass
 from pipeline.bench.prepare import engine_of, prepared
+from pipeline.config import BackendConfig
 from pipeline.devices import dtype_name, sync
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.kernels import cpu_gemv
@@ -383,7 +384,7 @@ class _DemollmSampler:
         from pipeline import backends
 
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
-        backends.apply(backend, self.targets, self.runtime, None, on_cuda=self.on_cuda)
+        backends.apply(backend, self.targets, self.runtime, BackendConfig(backend), on_cuda=self.on_cuda)
         self.engine.lookahead = lookahead
         try:
             # CUDA graphs are captured in the first generate, with the kernels active then

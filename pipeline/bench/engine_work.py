@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeline.backends import apply, remove
 from pipeline.bench import rounds
 from pipeline.bench.prepare import engine_of, prepared
+from pipeline.config import BackendConfig
 from pipeline.graphs import find_graphs
 from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
@@ -97,7 +98,7 @@ def _rows(engine: DemoLLM, targets, runtime, hf_config, batches, backends, steps
     generator = torch.Generator().manual_seed(0)
     rows = []
     for backend in backends:
-        runners = apply(backend, targets, runtime, None, on_cuda=False)
+        runners = apply(backend, targets, runtime, BackendConfig(backend), on_cuda=False)
         graph = targets[0][1]
         if runners:  # the runner's copies are outside work, its (replayed) graph is not
             runner = next(iter(runners.values()))

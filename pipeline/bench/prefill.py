@@ -10,6 +10,9 @@ in its own linears."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from pipeline.bench import rounds
@@ -19,7 +22,7 @@ from pipeline.models import zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.models.memory import decoder_and_head
 from pipeline.runtime.machine_load import gemm_tflops
-from pipeline.runtime.requests import Request
+from pipeline.runtime.requests import Request, build_requests
 from pipeline.runtime.sampling import SamplingParams
 
 
@@ -127,6 +130,92 @@ def markdown(result: dict) -> list[str]:
             else ""
         )
         + f"{'NOISY' if r['noisy'] else ''} |"
+        for r in result["rows"]
+    ]
+    return lines
+
+
+PIECEWISE_MODES = ("uncaptured", "compiled", "piecewise")
+
+
+def bench_piecewise_prefill(
+    name: str, token_counts: list[int], repeats: int, device: torch.device, dtype: torch.dtype
+) -> dict:
+    """Time to first token of one request of the workload (an image request for a VLM) at each
+    prompt length, three ways in each round: the graph uncaptured, the whole graph compiled (its
+    prefill is never replayed), and backend.piecewise=true (CPU: torch-compile's segments; GPU:
+    torch-opt's, replayed per token bucket). Ratios within rounds."""
+    from pipeline import backends
+    from pipeline.backends.cudagraph import pick_bucket
+    from pipeline.graphs import cached_graphs
+
+    backend = "torch-opt" if device.type == "cuda" else "torch-compile"
+    overrides = [f"model={name}", f"backend={backend}", "backend.piecewise=true", "prompt.batch_size=1"]
+    with prepared(overrides, dtype, device, "transforms") as state:
+        graph_name, graph = cached_graphs(state.model)[0]
+        backends.apply(
+            backend, [(graph_name, graph)], state.cfg.runtime, state.cfg.backend, device.type == "cuda"
+        )
+        runner = graph.piecewise_runner
+        whole = graph.cuda_graph_runner.forward_fn if device.type == "cuda" else runner.full_fn
+        forwards = {
+            "uncaptured": type(graph).forward.__get__(graph),
+            "compiled": whole,
+            "piecewise": graph.forward,
+        }
+        engine = engine_of(state)
+        rows = []
+        for tokens in token_counts:
+            prompt = dataclasses.replace(state.cfg.prompt, prompt_len=tokens)
+            requests = build_requests(
+                prompt, state.cfg.runtime, state.cfg.seed, state.hf_config, dtype, device, state.sources
+            )
+
+            def sample(mode: str, requests=requests) -> rounds.Sample:
+                graph.forward = forwards[mode]
+                seconds = engine.generate(requests, 1, SamplingParams(), seed=0).prefill_s
+                return seconds, seconds
+
+            runners = {mode: functools.partial(sample, mode) for mode in PIECEWISE_MODES}
+            rounds_, _ = rounds.take_turns(runners, repeats)
+            graph.forward = forwards["piecewise"]
+            ms = {
+                mode: rounds.spread([1000 * r.samples[mode][0] for r in rounds_]) for mode in PIECEWISE_MODES
+            }
+            ratios = {
+                other: rounds.spread([r.samples["piecewise"][0] / r.samples[other][0] for r in rounds_])
+                for other in ("uncaptured", "compiled")
+            }
+            total = len(requests[0].prompt)
+            rows.append(
+                {
+                    "tokens": total,
+                    "bucket": pick_bucket(total, runner.buckets),
+                    "ms": ms,
+                    "piecewise_over": ratios,
+                    "noisy": any(rounds.is_noisy(r) for r in ratios.values()),
+                }
+            )
+    return {"model": name, "backend": backend, "device": device.type, "rows": rows}
+
+
+def piecewise_markdown(result: dict) -> list[str]:
+    lines = [
+        f"## Piecewise prefill, `model={result['model']}` ({result['device']}, batch 1, time to first token)",
+        "",
+        f"One request of the workload (with its image for a VLM): the language model uncaptured, compiled "
+        f"whole ({result['backend']} without piecewise: its prefill is never replayed), and with "
+        "`backend.piecewise=true` (the prompt padded to its token bucket). Median over rounds "
+        "(p10-p90); ratios taken within each round.",
+        "",
+        "| tokens | bucket | uncaptured ms | compiled ms | piecewise ms | piecewise / uncaptured | piecewise / compiled | |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['tokens']} | {r['bucket']} | {rounds.shown(r['ms']['uncaptured'], 1)} | "
+        f"{rounds.shown(r['ms']['compiled'], 1)} | {rounds.shown(r['ms']['piecewise'], 1)} | "
+        f"{rounds.shown(r['piecewise_over']['uncaptured'], 2)} | {rounds.shown(r['piecewise_over']['compiled'], 2)} | "
+        f"{'NOISY' if r['noisy'] else ''} |"
         for r in result["rows"]
     ]
     return lines

@@ -152,3 +152,37 @@ def check_fits(
             f"{str(dtype).removeprefix('torch.')}{ranks} + KV cache), and {device.type} has {free / 1e9:.1f} GB "
             f"free; use {hint}"
         )
+
+
+def piecewise_pool_bytes(hf_config, buckets: list[int], dtype: torch.dtype, capture_head: bool) -> int:
+    """What piecewise capture's CUDA graph pool holds (backends/piecewise.py), estimated before the
+    run: every bucket's segment outputs stay allocated (per layer and token: q, k and v, the
+    attention output's capture buffer, the residual and the hidden states), one layer's MLP
+    activations at the largest bucket are the temporaries all captures share, and with the head
+    captured every bucket's logits."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads  # HF's default when absent
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    per_token = text.num_hidden_layers * ((2 * heads + 2 * kv_heads) * head_dim + 2 * text.hidden_size)
+    if capture_head:
+        per_token += text.vocab_size
+    return (sum(buckets) * per_token + max(buckets) * 3 * intermediate) * dtype.itemsize
+
+
+def check_piecewise_fits(
+    params: int, hf_config, runtime: RuntimeConfig, buckets: list[int], capture_head: bool, dtype, free: int
+) -> None:
+    """ConfigError when the weights, the KV cache and the piecewise pool would not fit `free` bytes."""
+    pool = piecewise_pool_bytes(hf_config, buckets, dtype, capture_head)
+    need = needed_bytes(params, hf_config, runtime, dtype) + pool
+    if need <= free:
+        return
+    fewer = buckets[: max(1, len(buckets) // 2)]
+    raise ConfigError(
+        f"backend.piecewise=true: the CUDA graph pool for token buckets {buckets} is about {pool / 1e9:.1f} GB "
+        f"(about {need / 1e9:.1f} GB with the weights and KV cache), and the device has {free / 1e9:.1f} GB "
+        f"free; use fewer or smaller buckets (backend.piecewise_tokens=[{','.join(map(str, fewer))}]), "
+        "a smaller runtime.max_num_tokens, or backend.piecewise=false"
+    )

@@ -6,6 +6,9 @@
 - torch-cudagraph, torch-opt: the steps that run uncaptured (prefill) run the graph with ranges,
   or the profiled variant under torch-opt; every captured bucket's kernels are recorded once with
   their modules, outside the graph, and each replay is matched to that sequence (cudagraphs.py).
+- backend.piecewise=true: the same per segment. Each static segment runs its own profiled variant
+  (compiling backends) or has ranges; each segment graph a bucket captured is recorded and its
+  replays matched like the decode graphs'; the layout segments, which run eagerly, have ranges.
 Everything is undone on exit: the timed runs keep running what the capture stage built.
 """
 
@@ -14,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from pipeline.graphs import find_graphs
-from pipeline.profiler import cudagraphs, events, provenance
+from pipeline.profiler import cudagraphs, events, provenance, ranges
 from pipeline.profiler.ranges import module_ranges
 
 COMPILED = ("torch-compile", "torch-opt")
@@ -61,6 +65,37 @@ def _runners(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, CUDAGraphRunner)]
 
 
+def _piecewise(graph: nn.Module):
+    from pipeline.backends.piecewise import PiecewiseRunner
+
+    return next((m for m in graph.modules() if isinstance(m, PiecewiseRunner)), None)
+
+
+@contextmanager
+def _ranges_in(segment: fx.GraphModule, prefix: str) -> Iterator[None]:
+    added = ranges.instrument(segment, prefix)
+    try:
+        yield
+    finally:
+        ranges.remove(segment, added)
+
+
+def _instrument_pieces(
+    runner, prefix: str, backend: str, stack: ExitStack, instrumentation: Instrumentation
+) -> None:
+    """Each segment of a piecewise runner seen as the graph is: static segments through a profiled
+    variant of their own (compiling backends) or module ranges, layout segments through ranges."""
+    for name, segment in runner.pieces.named_children():
+        wrapper = runner.segments.get(name)
+        if runner.kinds[name] == "layout" or backend not in COMPILED:
+            stack.enter_context(_ranges_in(segment, prefix))
+            continue
+        recorder = provenance.ProvenanceRecorder(segment, prefix)
+        instrumentation.recorders.append(recorder)
+        variant = torch.compile(type(segment).forward.__get__(segment), dynamic=True, backend=recorder)
+        stack.enter_context(_swapped(wrapper or segment, "forward", variant))
+
+
 @contextmanager
 def _swapped(owner, attribute: str, value) -> Iterator[None]:
     """owner.<attribute> = value for the duration (an instance attribute: the class's shows again)."""
@@ -82,18 +117,30 @@ def _record_sequences(model: nn.Module, instrumentation: Instrumentation) -> Non
     from torch.profiler import ProfilerActivity, profile
 
     names = {id(m): name for name, m in model.named_modules()}
-    for runner in _runners(model):
-        for bucket in sorted(runner.graphs):
-            with torch.no_grad():  # compiles a profiled variant outside the recording
-                runner.forward_fn(**runner.steps[bucket].buffers)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                with torch.no_grad():
-                    runner.forward_fn(**runner.steps[bucket].buffers)
-                torch.cuda.synchronize()
-            window = events.read_window(prof, names)
-            if instrumentation.recorders:
-                provenance.attribute_device(window, instrumentation.graphs)
-            instrumentation.sequences.append(cudagraphs.recorded(window))
+    calls = [
+        partial(runner.forward_fn, **runner.steps[bucket].buffers)
+        for runner in _runners(model)
+        for bucket in sorted(runner.graphs)
+    ]
+    from pipeline.backends.piecewise import runners as piecewise_runners
+
+    calls += [
+        partial(segment.forward, *inputs)
+        for runner in piecewise_runners(model)
+        for segment in runner.segments.values()
+        for _, inputs, _ in segment.graphs.values()
+    ]
+    for call in calls:
+        with torch.no_grad():  # compiles a profiled variant outside the recording
+            call()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.no_grad():
+                call()
+            torch.cuda.synchronize()
+        window = events.read_window(prof, names)
+        if instrumentation.recorders:
+            provenance.attribute_device(window, instrumentation.graphs)
+        instrumentation.sequences.append(cudagraphs.recorded(window))
 
 
 @contextmanager
@@ -102,18 +149,25 @@ def instrumented(model: nn.Module, backend: str, on_cuda: bool) -> Iterator[Inst
     with ExitStack() as stack:
         if backend in ("torch-simple", "torch-cudagraph"):
             instrumentation.ranges = stack.enter_context(module_ranges(model))
-        if backend in COMPILED:
-            for path, graph in find_graphs(model):
-                recorder = provenance.ProvenanceRecorder(graph, "" if path == "root" else path)
-                instrumentation.recorders.append(recorder)
-                # The class's forward is the graph's own code; the variant compiles it afresh (a
-                # backend of its own: Dynamo keeps the timed variant's cache entry apart).
-                variant = torch.compile(type(graph).forward.__get__(graph), dynamic=True, backend=recorder)
-                runner = next((r for r in _runners(graph)), None)
-                if runner is not None:  # torch-opt: the steps the runner does not replay
-                    stack.enter_context(_swapped(runner, "forward_fn", variant))
-                else:
-                    stack.enter_context(_swapped(graph, "forward", variant))
+        for path, graph in find_graphs(model):
+            prefix = "" if path == "root" else path
+            pieces = _piecewise(graph)
+            if pieces is not None:
+                _instrument_pieces(pieces, prefix, backend, stack, instrumentation)
+            if backend not in COMPILED:
+                continue
+            recorder = provenance.ProvenanceRecorder(graph, prefix)
+            instrumentation.recorders.append(recorder)
+            # The class's forward is the graph's own code; the variant compiles it afresh (a
+            # backend of its own: Dynamo keeps the timed variant's cache entry apart).
+            variant = torch.compile(type(graph).forward.__get__(graph), dynamic=True, backend=recorder)
+            runner = next((r for r in _runners(graph)), None)
+            if runner is not None:  # torch-opt: the steps the runner does not replay
+                stack.enter_context(_swapped(runner, "forward_fn", variant))
+            elif pieces is not None:  # torch-compile: the steps the pieces leave to the graph
+                stack.enter_context(_swapped(pieces, "full_fn", variant))
+            else:
+                stack.enter_context(_swapped(graph, "forward", variant))
         if backend in REPLAYED and on_cuda:
             _record_sequences(model, instrumentation)
         yield instrumentation

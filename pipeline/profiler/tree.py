@@ -234,23 +234,22 @@ RUNTIME = "runtime"  # the kernel category of torch.compile's own work around a 
 def coverage(root: Node) -> tuple[float, float]:
     """(percent of device time inside any module, percent of the layer stacks' device time inside
     a layer or deeper). A layer stack is the module that holds `layers.N`; its time here leaves out
-    what torch.compile's runtime spends around the call (guards, wrappers: category `runtime`),
-    which is host work of no layer, shown as its own leaves."""
+    what torch.compile's runtime spends around each compiled call (guards, wrappers: category
+    `runtime`), which is host work of no layer, shown as its own leaves: one call per graph, or one
+    per segment with piecewise capture."""
     total = root.device_time_us
     outside = sum(c.device_time_us for c in root.children.values() if c.kind == "unattributed")
     attributed = 100 * (total - outside) / total if total else 0.0
     layers = [n for n in root.walk() if n.kind == "module" and LAYER.search(n.fqn)]
     stack_names = {LAYER.sub("", n.fqn) for n in layers}
     stacks = [n for n in root.walk() if n.kind == "module" and n.fqn in stack_names]
-    runtime = sum(
-        c.device_time_us
-        for n in stacks
-        for c in n.children.values()
-        if c.kind == "kernel" and c.category == RUNTIME
-    )
-    stack_time = sum(n.device_time_us for n in stacks) - runtime
-    in_layers = sum(n.device_time_us for n in layers)
+    stack_time = sum(n.device_time_us - _runtime_us(n) for n in stacks)
+    in_layers = sum(n.device_time_us - _runtime_us(n) for n in layers)
     return attributed, (100 * in_layers / stack_time if stack_time else 0.0)
+
+
+def _runtime_us(node: Node) -> float:
+    return sum(n.device_time_us for n in node.walk() if n.kind == "kernel" and n.category == RUNTIME)
 
 
 ATTRIBUTIONS = ("module_range", "inductor_provenance", "cudagraph_sequence", "unattributed")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
+from pipeline.backends import piecewise
 from pipeline.backends.cudagraph import CUDAGraphRunner
 from pipeline.runtime.engine import DemoLLM, Generation
 from pipeline.runtime.machine_load import quantile
@@ -93,7 +94,8 @@ def generation_notes(
 
 
 def resource_metrics(model: nn.Module, engine: DemoLLM) -> tuple[dict[str, float], list[str]]:
-    """The KV cache the engine allocated and, per CUDA-graph runner, its replays and memory."""
+    """The KV cache the engine allocated and, per CUDA-graph runner, its replays and memory; per
+    piecewise runner, its buckets (piecewise_metrics)."""
     metrics: dict[str, float] = {}
     notes: list[str] = []
     for runner in (m for m in model.modules() if isinstance(m, CUDAGraphRunner)):
@@ -102,15 +104,72 @@ def resource_metrics(model: nn.Module, engine: DemoLLM) -> tuple[dict[str, float
         metrics["memory/cuda_graph_buffers_mb"] = runner.memory_bytes() / 2**20
         metrics["memory/cuda_graph_pool_mb"] = runner.pool_bytes / 2**20
         notes.append(
-            f"CUDA graphs: {runner.replays} replays, {runner.fallbacks} uncaptured steps "
-            f"(prefill), buckets captured {sorted(runner.graphs)}, "
+            f"CUDA graphs of decode steps: {runner.replays} replays, {runner.fallbacks} steps they left "
+            f"uncaptured, buckets captured {sorted(runner.graphs)}, "
             f"{runner.pool_bytes / 2**20:.1f} MiB reserved by the captures"
         )
+    for runner in piecewise.runners(model):
+        report = runner.report()
+        piece_metrics, piece_notes = piecewise_metrics(report)
+        for key, value in piece_metrics.items():  # the decode runner's share, where there is one
+            metrics[key] = metrics.get(key, 0.0) + value if key.startswith(("memory/", "capture/")) else value
+        metrics["memory/cuda_graph_buffers_mb"] = (
+            metrics.get("memory/cuda_graph_buffers_mb", 0.0) + runner.buffer_bytes() / 2**20
+        )
+        notes += piece_notes
     if isinstance(engine.runner, PagedRunner):
         cache = engine.runner.cache
         metrics["memory/kv_cache_mb"] = cache.bytes / 2**20
         notes.append(
             f"KV cache: {cache.num_pages} pages of {cache.page_size} tokens, {cache.bytes / 2**20:.1f} MiB"
+        )
+    return metrics, notes
+
+
+def piecewise_metrics(report: dict) -> tuple[dict[str, float], list[str]]:
+    """A piecewise runner's report (backends/piecewise.py) as metrics and a table: per bucket used,
+    its steps, real and padded tokens and mean step time; the steps left to the full graph, by
+    reason; the bucket set that would have padded the same steps least."""
+    rows = report["rows"]
+    steps = sum(r["steps"] for r in rows)
+    padded = sum(r["padded_tokens"] for r in rows)
+    uncaptured = sum(report["uncaptured"].values())
+    metrics = {
+        "piecewise/steps": steps,
+        "piecewise/padding_pct": 100 * report["padding_tokens"] / padded if padded else 0.0,
+        "piecewise/suggested_padding_pct": 100 * report["suggested_padding_tokens"] / padded
+        if padded
+        else 0.0,
+        "capture/uncaptured_steps": uncaptured,
+        "memory/cuda_graph_pool_mb": report["pool_mb"],
+    }
+    for r in rows:
+        prefix = f"piecewise/bucket_{r['bucket']}"
+        metrics |= {f"{prefix}_steps": r["steps"], f"{prefix}_padded_tokens": r["padded_tokens"]}
+        if r["mean_ms"] is not None:
+            metrics[f"{prefix}_ms"] = r["mean_ms"]
+    notes = [
+        f"piecewise: {steps} prefill/mixed steps in token buckets (static segments {report['segments_run']}), "
+        f"{report['decode_steps']} decode steps on the full graph, {uncaptured} steps left to the full graph"
+    ]
+    header = f"{'bucket':>7} {'steps':>6} {'tokens':>8} {'padded':>8} {'padding':>8} {'mean ms':>9} {'pool MiB':>9}"
+    notes += [header, "-" * len(header)]
+    for r in rows:
+        mean = f"{r['mean_ms']:.2f}" if r["mean_ms"] is not None else "-"
+        notes.append(
+            f"{r['bucket']:>7} {r['steps']:>6} {r['tokens']:>8} {r['padded_tokens']:>8} "
+            f"{r['padding_pct']:>7.1f}% {mean:>9} {r['pool_mb']:>9.1f}"
+        )
+    for reason, count in report["uncaptured"].items():
+        notes.append(f"left to the full graph: {count} step(s), {reason}")
+    if (
+        report["suggested"] != report["buckets"]
+        and report["suggested_padding_tokens"] < report["padding_tokens"]
+    ):
+        notes.append(
+            f"suggested backend.piecewise_tokens=[{','.join(map(str, report['suggested']))}]: "
+            f"{report['suggested_padding_tokens']} padding tokens instead of {report['padding_tokens']} "
+            "on these steps, no more buckets and no larger a sum of sizes (the pool grows with it)"
         )
     return metrics, notes
 

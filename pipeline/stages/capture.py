@@ -9,6 +9,7 @@ import time
 from torch import nn
 
 from pipeline import backends, correctness, waterfall
+from pipeline.backends import piecewise
 from pipeline.backends.compile import compiled_frames
 from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
@@ -33,17 +34,14 @@ def run(state: RunState) -> StageResult:
     start = time.perf_counter()
     try:
         runners = backends.apply(
-            state.backend,
-            targets,
-            state.cfg.runtime,
-            state.cfg.backend.cuda_graph_batch_sizes,
-            on_cuda=state.device.type == "cuda",
+            state.backend, targets, state.cfg.runtime, state.cfg.backend, on_cuda=state.device.type == "cuda"
         )
         for name, runner in runners.items():
-            result.notes.append(
-                f"'{name}': CUDA graphs for decode buckets {runner.buckets}; prefill runs uncaptured"
-            )
-            result.metrics["capture/buckets"] = len(runner.buckets)
+            result.notes.append(_captures(name, runner))
+            if isinstance(runner, piecewise.PiecewiseRunner):
+                result.metrics["capture/piecewise_buckets"] = len(runner.buckets)
+            else:
+                result.metrics["capture/buckets"] = len(runner.buckets)
         maybe_fail("capture")
         # The first calls compile (and warm up); the check is against the eager reference.
         checks = correctness.check(state, "capture", result)
@@ -75,6 +73,17 @@ def run(state: RunState) -> StageResult:
         f"compiled and checked {len(targets)} graph(s) in {result.metrics['capture/compile_s']:.1f} s"
     )
     return result
+
+
+def _captures(name: str, runner: nn.Module) -> str:
+    """Which steps a runner captures, and which it leaves to the graph it sits in front of."""
+    if isinstance(runner, piecewise.PiecewiseRunner):
+        return (
+            f"'{name}': prefill and mixed steps padded to token buckets {runner.buckets}; "
+            f"{len(runner.segments)} static segments {runner.segments_run}, the layout ops eager between "
+            "them; decode steps and longer steps run the full graph"
+        )
+    return f"'{name}': CUDA graphs for decode buckets {runner.buckets}; other steps run uncaptured"
 
 
 def _warm_up(state: RunState) -> None:

@@ -3,6 +3,9 @@ token per sequence per step; tokens, latencies and throughput go to the run."""
 
 from __future__ import annotations
 
+import json
+
+from pipeline.backends import piecewise
 from pipeline.backends.compile import compiled_frames
 from pipeline.errors import StageFailure
 from pipeline.models.memory import decode_weight_bytes
@@ -37,6 +40,8 @@ def run(state: RunState) -> StageResult:
     warm_up = cfg.benchmark.enabled or state.backend != "torch-simple"
     if warm_up:
         engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
+    for runner in piecewise.runners(state.model):  # its table is of the timed runs' steps
+        runner.stats = piecewise.PiecewiseStats()
     iterations = cfg.benchmark.iterations if cfg.benchmark.enabled else 1
     with MachineLoad(peers=state.rank is not None) as load:
         runs = [engine.generate(requests, cfg.prompt.output_len, params, cfg.seed) for _ in range(iterations)]
@@ -55,6 +60,16 @@ def run(state: RunState) -> StageResult:
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
     resources, resource_notes = generation.resource_metrics(state.model, engine)
+    artifacts, tables = [tokens_file], {}
+    for runner in piecewise.runners(state.model):  # one table: only the language model is cached
+        report = runner.report()
+        path = state.run_dir / "generation" / "piecewise.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        artifacts.append(path)
+        if report["rows"]:
+            tables["tables/piecewise.json"] = {
+                key: [r[key] for r in report["rows"]] for key in report["rows"][0]
+            }
     steps = generation.decode_steps_ms(runs, engine.lookahead)
     noisy, why = noise_verdict(load.other_cores, steps)
     metrics["noise/other_cores"] = load.other_cores
@@ -69,7 +84,8 @@ def run(state: RunState) -> StageResult:
         notes.append(f"NOISY measurement: {why}; re-run on a quiet machine before comparing")
     return StageResult(
         metrics=metrics | resources,
-        artifacts=[tokens_file],
+        artifacts=artifacts,
+        tables=tables,
         notes=notes + resource_notes,
         tags={"noisy": str(noisy).lower(), **({"noisy_reason": why} if noisy else {})},
         steps={"latency/decode_step_ms": [1000 * s for s in runs[-1].decode_step_s]},

@@ -13,6 +13,7 @@ from pipeline.models.memory import human_bytes
 from pipeline.parallel import tensor_parallel
 from pipeline.state import RunState, StageResult
 from pipeline.transforms import registry
+from pipeline.transforms.split_piecewise import SplitPiecewise
 
 
 def run(state: RunState) -> StageResult:
@@ -32,6 +33,8 @@ def run(state: RunState) -> StageResult:
             registry.run_transforms(state.model, transforms, ctx, history)
         else:
             _stepwise(state, transforms, ctx, history)
+        if state.cfg.backend.piecewise:  # where the backend cuts the graph, in the history too
+            registry.run_transforms(state.model, [SplitPiecewise()], ctx, history)
     except registry.TransformFailed as failed:
         _report(state, history, result)
         raise StageFailure(
