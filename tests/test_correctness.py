@@ -56,6 +56,25 @@ def test_a_flip_at_a_near_tie_is_counted_not_failed_and_elsewhere_fails():
     assert checks[0].router_flips == 0
 
 
+def test_masked_logits_set_no_tolerance_and_must_stay_masked():
+    """A model that masks logits at the dtype's minimum (or -inf): the tolerance comes from the
+    values, not the masks (a bound of 3.4e34 could not fail), a small change of the values still
+    fails, and a logit masked on one side only is a failure."""
+    reference = torch.randn(1, 6, 32)
+    reference[..., 20:] = torch.finfo(torch.float32).min
+    reference[0, 0, 19] = float("-inf")
+    near = torch.zeros(1, 6, dtype=torch.bool)
+    assert correctness.tolerance(reference, torch.bfloat16) < 1.0
+    same = correctness.check(_state(reference, near, _Shifted(reference, 1, 0.0)), "capture", StageResult())
+    assert correctness.failure(same) is None and same[0].max_abs_err == 0.0
+    moved = correctness.check(_state(reference, near, _Shifted(reference, 1, 0.5)), "capture", StageResult())
+    assert "differs from eager" in correctness.failure(moved)
+    unmasked = _Shifted(reference, 0, 0.0)
+    unmasked.out[0, 0, 25] = 0.0
+    checks = correctness.check(_state(reference, near, unmasked), "capture", StageResult())
+    assert checks[0].max_abs_err == float("inf") and correctness.failure(checks)
+
+
 def test_reference_records_the_routers_of_a_moe_model():
     model, hf_config, examples = build_tiny("tiny_llama4_scout")
     assert (

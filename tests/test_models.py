@@ -193,3 +193,15 @@ def test_tensor_parallel_ranks_are_counted_in_what_must_fit(monkeypatch):
         match=r"use runtime.tp_weights=shard \(about [\d.]+ GB\) or dtype=bfloat16 runtime.tp_weights=shard \(about",
     ):
         fits(two, "cpu", 40, torch.float32)
+
+
+def test_kv_cache_estimate_reads_hf_defaults():
+    """A text config without num_key_value_heads (Hugging Face then uses the attention heads)."""
+    from types import SimpleNamespace
+
+    from pipeline.config import RuntimeConfig
+    from pipeline.models.memory import kv_cache_bytes
+
+    text = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
+    runtime = RuntimeConfig(max_batch_size=2, max_seq_len=128)
+    assert kv_cache_bytes(text, runtime, torch.float32) == 2 * 2 * 4 * 16 * 2 * 128 * 4

@@ -223,3 +223,21 @@ def test_a_pool_that_would_not_fit_is_refused_with_its_estimate():
             params, hf_config, cfg.runtime, buckets, False, torch.bfloat16, int(model) + 2**30
         )
     check_piecewise_fits(params, hf_config, cfg.runtime, [64], False, torch.bfloat16, int(model) + 2**30)
+
+
+@pytest.mark.parametrize("capture_head", [False, True])
+def test_a_whole_model_graph_keeps_its_logits_in_a_head_segment(capture_head, tmp_path):
+    """capture=full: the lm_head after the last layout op is a segment of its own, captured only
+    with backend.piecewise_capture_lm_head=true; tokens equal Hugging Face's either way."""
+    name = "tiny_llama3_1_8b"
+    extra = ["capture=full", f"backend.piecewise_capture_lm_head={str(capture_head).lower()}"]
+    with staged(_pipeline_overrides(name, extra), "generate", run_dir=tmp_path) as state:
+        runner = piecewise.runners(state.model)[0]
+        graph = next(m for m in state.model.modules() if getattr(m, "piecewise_runner", None) is runner)
+        segments = record_of(graph).segments
+        assert [s.kind for s in segments[-3:]] == ["layout", "static", "head"]
+        assert (f"segment_{segments[-1].index}" in runner.segments) == capture_head
+        requests = state.workload()
+        tokens = generated_tokens(tmp_path)
+    expected = _hf_generate(name, requests, 6)
+    assert tokens == {r.seq_id: expected[r.seq_id] for r in requests}

@@ -51,7 +51,7 @@ def step_shape(inputs: dict[str, Any]) -> tuple[int, int]:
     return sequences, next(inputs[k].shape[1] for k in ("input_ids", "inputs_embeds") if k in inputs)
 
 
-def _token_dim(value: torch.Tensor, n: int) -> int | None:
+def token_dim(value: torch.Tensor, n: int) -> int | None:
     """The packed token dim: 1 for [1, T, ...], 2 for multimodal position ids [3, 1, T]."""
     if value.dim() == 3 and value.shape[0] == 3 and value.shape[1] == 1 and value.shape[2] == n:
         return 2
@@ -84,7 +84,7 @@ class StaticStep:
                 buffer = value.new_full((bucket, table_width), scratch_page)
             elif name == "token_block":  # [T, 2]: a decode token is in no bidirectional block
                 buffer = value.new_zeros(bucket, 2)
-            elif (dim := _token_dim(value, n)) is not None:
+            elif (dim := token_dim(value, n)) is not None:
                 buffer = value.new_zeros(value.shape[:dim] + (bucket,) + value.shape[dim + 1 :])
             else:
                 buffer = value.clone()
@@ -106,7 +106,7 @@ class StaticStep:
                 buffer[:n, : value.shape[1]].copy_(value)  # entries past a row's pages are never read
                 if padded:  # a padded row writes its one token into its first page: the scratch page
                     buffer[n:, 0].fill_(self.scratch_page)
-            elif (dim := _token_dim(value, n)) is not None:
+            elif (dim := token_dim(value, n)) is not None:
                 buffer.narrow(dim, 0, n).copy_(value)  # padded rows' tokens: any finite values serve
             else:
                 buffer.copy_(value)

@@ -13,7 +13,7 @@ where, `split` builds the pieces) and:
 - each static segment runs per bucket: replayed from a CUDA graph (torch-cudagraph, torch-opt,
   captured at the bucket's first step), compiled by Inductor (torch-compile, torch-opt), or as it
   is (the CPU path of the capturing backends, which tests drive); the layout segments run eagerly
-  between them, on the real shapes;
+  between them on the padded step, its extra sequence one more to them;
 - decode-only steps, and steps past the largest bucket, go to the full graph (`full_fn`: the
   decode runner's replays, or the compiled graph), as AutoDeploy's dual mode does.
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pipeline.backends.cudagraph import _token_dim, pick_bucket, slice_output, step_shape
+from pipeline.backends.cudagraph import pick_bucket, slice_output, step_shape, token_dim
 from pipeline.graphs import SEGMENT, first_tensor, record_of
 
 STEP_INPUTS = ("qo_indptr", "cache_lens", "page_table")  # per sequence: the layout ops' alone
@@ -256,7 +256,7 @@ class PiecewiseRunner(nn.Module):
             if not isinstance(value, torch.Tensor) or name in self.caches or name in STEP_INPUTS:
                 padded[name] = value
                 continue
-            dim = 0 if name == "token_block" else _token_dim(value, tokens)  # token_block: [T, 2]
+            dim = 0 if name == "token_block" else token_dim(value, tokens)  # token_block: [T, 2]
             if dim is None:
                 padded[name] = value
                 continue

@@ -69,7 +69,8 @@ def kv_cache_bytes(hf_config, runtime: RuntimeConfig, dtype: torch.dtype) -> int
     if runtime.kv_cache_mb:
         return int(runtime.kv_cache_mb * 2**20)
     tokens = runtime.max_batch_size * runtime.max_seq_len
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * tokens * dtype.itemsize
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # HF's default
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * tokens * dtype.itemsize
 
 
 def weight_copies(runtime: RuntimeConfig, device: torch.device, tp_weights: str | None = None) -> float:

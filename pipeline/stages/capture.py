@@ -36,6 +36,8 @@ def run(state: RunState) -> StageResult:
         runners = backends.apply(
             state.backend, targets, state.cfg.runtime, state.cfg.backend, on_cuda=state.device.type == "cuda"
         )
+        if not runners:  # torch-compile alone
+            result.notes.append("every step runs Inductor's code of each whole graph; no step is replayed")
         for name, runner in runners.items():
             result.notes.append(_captures(name, runner))
             if isinstance(runner, piecewise.PiecewiseRunner):
