@@ -47,8 +47,26 @@ TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen
 TINY_VLMS = ["tiny_mistral3", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
 TINY_TEXT = ["tiny_magistral", "tiny_llama3_1_8b"]
 # Families the project was not written for (issue 20): a YAML each, nothing else per family
-TINY_FAMILIES = ["tiny_llava", "tiny_gemma3", "tiny_paligemma", "tiny_gemma2", "tiny_qwen3"]
-FAMILY_VLMS = ["tiny_llava", "tiny_gemma3", "tiny_paligemma"]
+TINY_FAMILIES = [
+    "tiny_llava",
+    "tiny_gemma3",
+    "tiny_paligemma",
+    "tiny_gemma2",
+    "tiny_qwen3",
+    "tiny_qwen2_vl",
+    "tiny_llava_next",
+    "tiny_idefics3",
+    "tiny_internvl",
+]
+FAMILY_VLMS = [
+    "tiny_llava",
+    "tiny_gemma3",
+    "tiny_paligemma",
+    "tiny_qwen2_vl",
+    "tiny_llava_next",
+    "tiny_idefics3",
+    "tiny_internvl",
+]
 # Mixture-of-experts text models beside Llama-4 (issue 23): their experts in transformers' grouped form
 TINY_MOE = ["tiny_mixtral", "tiny_qwen3_moe"]
 SEED_MODELS = ["mistral3", "magistral", "llama3_1_8b", "qwen2_5_vl", "llama4_scout"]

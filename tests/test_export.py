@@ -27,6 +27,10 @@ FAMILY_INPUTS = {
     "tiny_llava": ["inputs_embeds", "position_ids"],
     "tiny_gemma3": ["attention_mask", "inputs_embeds", "position_ids"],
     "tiny_paligemma": ["attention_mask", "inputs_embeds", "position_ids"],
+    "tiny_qwen2_vl": ["inputs_embeds", "position_ids"],
+    "tiny_llava_next": ["inputs_embeds", "position_ids"],
+    "tiny_idefics3": ["inputs_embeds", "position_ids"],
+    "tiny_internvl": ["inputs_embeds", "position_ids"],
 }
 
 

@@ -22,40 +22,73 @@ def _skeleton(name: str):
 
 @pytest.mark.parametrize("name", FAMILY_VLMS)
 def test_image_tokens_are_what_the_model_makes_of_the_image(name):
-    """The count asked of the meta-device model equals the features the real model computes from
-    the same pixels, and the placeholder holds that many image tokens."""
+    """The count asked of the meta-device model (or of a real run of its vision path, where that
+    reads data) equals the features the real model computes from the same inputs, and the
+    placeholder holds that many image tokens."""
     hf_config, skeleton = _skeleton(name)
     batch = images.preprocess(
         hf_config, [images.synthetic_image(80, torch.Generator().manual_seed(0))], torch.float32, torch.device("cpu"),
         None, skeleton,
     )  # fmt: skip
-    side = hf_config.vision_config.image_size
-    assert batch.kwargs["pixel_values"].shape[-2:] == (
-        side,
-        side,
-    )  # the family's processor, sized by the config
+    if images.rule_of(hf_config) is None:  # the family's processor, sized by the config
+        side = images.size_pair(hf_config.vision_config.image_size)
+        assert tuple(batch.kwargs["pixel_values"].shape[-2:]) == side
     model, _, _ = build_tiny(name)
     with torch.no_grad():
-        features = model.get_image_features(pixel_values=batch.kwargs["pixel_values"])
+        features = model.get_image_features(**images.taken(model.get_image_features, batch.kwargs))
     features = getattr(features, "pooler_output", features)
-    rows = features[0].shape[0] if isinstance(features, list | tuple) else features.shape[1]
+    if isinstance(features, list | tuple):
+        rows = sum(f.shape[0] for f in features)
+    else:  # [tiles of the one image, tokens, hidden]
+        rows = features.shape[0] * features.shape[1]
     assert batch.tokens_per_image == [rows]
     placeholder = batch.placeholder(images.image_token_id(hf_config), 0)
     assert placeholder.count(images.image_token_id(hf_config)) == rows
 
 
-def test_a_family_whose_images_cannot_be_prepared_runs_text_only(monkeypatch):
+def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(monkeypatch):
+    """Its checks are text-only (said so), and a workload whose requests carry images is refused
+    naming why and what to give instead, never run as text."""
     monkeypatch.setattr(images, "image_processor_class", lambda model_type: None)
     hf_config, skeleton = _skeleton("tiny_llava")
     examples = make_example_inputs(hf_config, 2, None, torch.float32, torch.device("cpu"), 0, skeleton)
     assert examples.image is None and "no image processor" in examples.note and "text-only" in examples.note
     cfg = compose_cfg(["model=tiny_llava", "prompt.batch_size=2", "prompt.prompt_len=16"])
-    requests = build_requests(
-        cfg.prompt, cfg.runtime, 0, hf_config, torch.float32, torch.device("cpu"), Sources(skeleton=skeleton)
-    )
-    assert all(not r.images and len(r.prompt) == 16 for r in requests)
-    # asked for images explicitly: refused, naming why
-    with pytest.raises(ConfigError, match="no image processor.*text-only"):
-        images.preprocess(
-            hf_config, [images.synthetic_image(56, torch.Generator())], torch.float32, torch.device("cpu")
+    with pytest.raises(ConfigError, match="no image processor.*prompt.queries"):
+        build_requests(
+            cfg.prompt,
+            cfg.runtime,
+            0,
+            hf_config,
+            torch.float32,
+            torch.device("cpu"),
+            Sources(skeleton=skeleton),
         )
+
+
+def test_image_sizes_are_read_whatever_shape_the_config_gives():
+    """An int, [height, width] (InternVL's published configs), a dict, or none at all (a
+    variable-resolution family): the synthetic image's side and the sized processor follow."""
+    from types import SimpleNamespace
+
+    from pipeline.models import images
+
+    assert images.size_pair(448) == (448, 448) and images.size_pair([448, 336]) == (448, 336)
+    assert images.size_pair({"height": 32, "width": 48}) == (32, 48)
+    assert images.size_pair({"longest_edge": 364}) == (364, 364) and images.size_pair(None) is None
+    with pytest.raises(ValueError, match="image size"):
+        images.size_pair("big")
+    listed = SimpleNamespace(
+        model_type="llava", vision_config=SimpleNamespace(image_size=[56, 42], patch_size=14)
+    )
+    assert images.default_image_size(listed) == 56
+    processor = images.sized_processor(listed)
+    assert (processor.size["shortest_edge"], processor.crop_size["height"], processor.crop_size["width"]) == (
+        42,
+        56,
+        42,
+    )
+    variable = SimpleNamespace(
+        model_type="qwen2_vl", vision_config=SimpleNamespace(patch_size=14, spatial_merge_size=2)
+    )
+    assert images.default_image_size(variable) == 56

@@ -40,6 +40,10 @@ FULL_CAPTURE = {
     "tiny_paligemma": VLM_FULL_GRAPH,
     "tiny_gemma2": None,
     "tiny_qwen3": None,
+    "tiny_qwen2_vl": ("export", "model.visual"),
+    "tiny_llava_next": ("export", "GuardOnDataDependentSymNode"),  # its tile count from image_sizes
+    "tiny_idefics3": VLM_FULL_GRAPH,
+    "tiny_internvl": VLM_FULL_GRAPH,
 }
 
 

@@ -3,28 +3,34 @@ preprocessing into the model's pixel layout, with the image tokens the family's 
 a prompt for each.
 
 The image processor is the checkpoint's own (its preprocessor_config.json) when there is one, else
-built from the vision config's sizes. The processors themselves (Pixtral's, Qwen2.5-VL's with its
-video half, Llama-4's) need torchvision, which does not install beside the CPU torch, so their
-token rules are written here, each checked against the model's own image-token count:
+built from the vision config's sizes (an int, [height, width] or a dict, whichever the config
+gives). The processors themselves (Pixtral's, Qwen2-VL's with its video half, Llama-4's) need
+torchvision, which does not install beside the CPU torch, so their token rules are written here,
+keyed by the processor a model type maps to in transformers, each checked against the model's own
+image-token count:
 - mistral3: PixtralImageProcessor (the PIL flavour): [N, 3, H, W] resized to multiples of
   patch * merge, plus image_sizes; per image (H / step) rows of (W / step) `[IMG]` tokens, each
   row ended by `[IMG_BREAK]` and the last by `[IMG_END]` (PixtralProcessor's layout).
-- qwen2_5_vl: Qwen2VLImageProcessor (PIL): flattened patches [sum h*w, C*T*P*P] and image_grid_thw;
+- qwen2_vl, qwen2_5_vl: Qwen2VLImageProcessor (PIL): flattened patches [sum h*w, C*T*P*P] and image_grid_thw;
   `<|image_pad|>` repeated h * w / merge^2 times, between the vision start and end tokens.
 - llama4: one tile of the vision tower's size, rescaled and normalized with Llama-4's defaults
   (mean = std = 0.5), done here: its image processor is torchvision-only.
   `<|image_start|><|image|>` + (S / patch)^2 * pixel_shuffle_ratio^2 `<|patch|>` + `<|image_end|>`
   (Llama4Processor's single-tile layout).
-Every other VLM (LLaVA, Gemma 3, PaliGemma, ...) needs no code here: its image processor class in
-transformers (PIL flavour) sized by the vision config's `image_size`, and the token count asked of
-the model (`get_image_features` on the meta-device skeleton); `[boi] image*n [eoi]` where the
-config has begin/end-of-image ids. A family whose images cannot be prepared (`unsupported`) runs
-text-only requests.
+Every other VLM (LLaVA, LLaVA-NeXT, Gemma 3, PaliGemma, Idefics3, InternVL, ...) needs no code
+here: its image processor class in transformers (PIL flavour) sized by the vision config, each
+image processed alone, every tensor it returns that the model's forward names passed on
+(`image_sizes`, `pixel_attention_mask`, ...), and the token count asked of the model
+(`get_image_features` on the meta-device skeleton, or, where the vision path reads data, which
+meta tensors cannot serve, on a copy whose vision parts get memory); `[boi] image*n [eoi]` where
+the config has begin/end-of-image ids. A family whose images cannot be prepared (`unsupported`)
+is refused up front for an image request.
 Nothing is fetched: a URL is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,16 +140,32 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
     )
 
 
-# Families whose image size (and so token count) follows the image: their processors' own rules,
-# measured necessary (a fixed-size image processor would not exercise what the model does). Every
-# other VLM goes through `_fixed_size`.
+# Image processors whose image size (and so token count) follows the image: their rules, written
+# here since the processors need torchvision, keyed by the processor a model type maps to in
+# transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one). Every other VLM goes
+# through `_fixed_size`.
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
-    "mistral3": _mistral3,
-    "qwen2_5_vl": _qwen2_5_vl,
-    "llama4": _llama4,
+    "PixtralImageProcessor": _mistral3,
+    "Qwen2VLImageProcessor": _qwen2_5_vl,
+    "Llama4ImageProcessor": _llama4,
 }
 # Families whose processor puts the images before the text (the prefix PaliGemma attends both ways).
 IMAGES_FIRST = ("paligemma",)
+
+
+def processor_name(model_type: str) -> str | None:
+    """The name of the image processor transformers maps the model type to, without its flavour."""
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    name = next((n for n in (names.values() if isinstance(names, dict) else names) if n), None)
+    return name.removesuffix("Pil") if name else None
+
+
+def rule_of(config) -> str | None:
+    """The PREPROCESS key of a config's images, or None for the fixed-size path."""
+    name = processor_name(config.model_type)
+    return name if name in PREPROCESS else None
 
 
 def image_processor_class(model_type: str) -> type | None:
@@ -160,7 +182,7 @@ def unsupported(config, processor=None, model=None) -> str | None:
     """Why this VLM's images cannot be prepared here, or None when they can: a family written here,
     or the checkpoint's image processor or the family's in transformers, with a model to ask for the
     image token count."""
-    if config.model_type in PREPROCESS:
+    if rule_of(config):
         return None
     if processor is None and image_processor_class(config.model_type) is None:
         return (
@@ -171,43 +193,131 @@ def unsupported(config, processor=None, model=None) -> str | None:
     return None
 
 
+def size_pair(value) -> tuple[int, int] | None:
+    """(height, width) of a size as configs give it: an int, [h, w], or a dict of height and width
+    (or of one edge); None when absent (a variable-resolution family)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    if isinstance(value, dict):
+        if "height" in value and "width" in value:
+            return int(value["height"]), int(value["width"])
+        edge = value.get("shortest_edge") or value.get("longest_edge")
+        if edge:
+            return int(edge), int(edge)
+    raise ValueError(f"an image size of {value!r}: expected an int, [height, width] or a dict of them")
+
+
+# The size keys image processors take, each as it follows from the vision config's (height, width)
+_SIZE_KEYS = {
+    "height": lambda h, w: h,
+    "width": lambda h, w: w,
+    "shortest_edge": lambda h, w: min(h, w),
+    "longest_edge": lambda h, w: max(h, w),
+}
+
+
+def _keys_of(size) -> list[str]:
+    get = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+    return [key for key in _SIZE_KEYS if get(key) is not None]
+
+
 def sized_processor(config):
-    """The family's image processor built with the vision config's image size: every size its
-    defaults name (height and width, or a shortest edge and a center crop) set to that size."""
+    """The family's image processor built with the vision config's image size: every size key its
+    defaults name (height and width, a shortest or longest edge, a center crop, a tile size) set
+    from it; the
+    processor's defaults where the config gives no size."""
     processor_cls = image_processor_class(config.model_type)
-    side = config.vision_config.image_size
+    hw = size_pair(getattr(config.vision_config, "image_size", None))
     defaults = processor_cls()
+    if hw is None:
+        return defaults
     kwargs = {}
-    size = getattr(defaults, "size", None)
-    if getattr(size, "height", None) is not None:
-        kwargs["size"] = {"height": side, "width": side}
-    elif getattr(size, "shortest_edge", None) is not None:
-        kwargs["size"] = {"shortest_edge": side}
-    if getattr(getattr(defaults, "crop_size", None), "height", None) is not None:
-        kwargs["crop_size"] = {"height": side, "width": side}
+    for name in ("size", "crop_size", "max_image_size"):
+        if keys := _keys_of(getattr(defaults, name, None)):
+            kwargs[name] = {key: _SIZE_KEYS[key](*hw) for key in keys}
     return processor_cls(**kwargs)
 
 
-def image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
-    """How many tokens each image becomes, asked of the model itself: its get_image_features on
-    the meta device (no memory, no compute), as many rows as the language model receives."""
-    with torch.no_grad():
-        out = model.get_image_features(**{k: v.to("meta") for k, v in pixels.items()})
+def taken(function, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a function's signature names (a **kwargs catch-all takes none: what a processor
+    returns for itself, Gemma 3's num_crops, would reach the language model)."""
+    parameters = inspect.signature(function).parameters
+    return {k: v for k, v in tensors.items() if k in parameters}
+
+
+def image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
+    """How many tokens each of `images` images becomes, asked of the model itself: its
+    get_image_features on the meta device (no memory, no compute), as many rows as the language
+    model receives. A vision path with data-dependent ops (a tile count read from image_sizes,
+    `nonzero` over a pixel mask), which meta tensors cannot serve, is run for real instead
+    (`_counted_for_real`). Where the features come per tile, not per image (Idefics3 splits an
+    image into tiles), each image is asked alone and its tiles summed."""
+    counts = _image_tokens(model, pixels)
+    if len(counts) == images:
+        return counts
+    return [
+        sum(_image_tokens(model, {k: v[i : i + 1] if v.shape[0] == images else v for k, v in pixels.items()}))
+        for i in range(images)
+    ]
+
+
+def _image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
+    call = taken(model.get_image_features, pixels)
+    try:
+        with torch.no_grad():
+            out = model.get_image_features(**{k: v.to("meta") for k, v in call.items()})
+    except (NotImplementedError, RuntimeError):  # "Cannot copy out of meta tensor", meta kernels
+        return _counted_for_real(model, call)
+    return _counts(out)
+
+
+def _counts(out) -> list[int]:
     features = getattr(out, "pooler_output", out)
     if isinstance(features, list | tuple):
         return [int(f.shape[0]) for f in features]
     return [int(features.shape[1])] * int(features.shape[0])
 
 
+def _counted_for_real(model: torch.nn.Module, call: dict[str, torch.Tensor]) -> list[int]:
+    """get_image_features on CPU with the real pixels, on a copy of the meta-device model whose
+    parts outside the decoder stack and the lm_head get uninitialized memory: the token count
+    follows the shapes and the pixels, not the weights."""
+    import copy
+
+    from pipeline.graphs import find_language_models
+
+    counter = copy.deepcopy(model)
+    text_config = getattr(counter.config, "text_config", None) or counter.config
+    skipped = find_language_models(counter, text_config)
+    head = counter.get_output_embeddings() if hasattr(counter, "get_output_embeddings") else None
+    for path, module in counter.named_modules():
+        if module is head or any(path == p or path.startswith(p + ".") for p in skipped):
+            continue
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    table[name] = torch.zeros_like(tensor, device="cpu")
+    with torch.no_grad():
+        return _counts(counter.get_image_features(**{k: v.cpu() for k, v in call.items()}))
+
+
 def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBatch:
     """Any other VLM: its own image processor (the checkpoint's, or the family's sized by the vision
-    config), the token count from the model; `[boi] image... [eoi]` where the config has them."""
+    config), every tensor it returns that the model's forward takes, the token count from the
+    model; `[boi] image... [eoi]` where the config has them."""
     processor = processor or sized_processor(config)
-    out = processor(images=images, return_tensors="pt")
-    pixels = {"pixel_values": out["pixel_values"]}
     if model is None:
         raise ValueError(f"{config.model_type}: the image token count needs the model (meta-device) to ask")
-    counts = image_tokens(model, pixels)
+    # One image a call: a processor that takes a list as one sample's images (Idefics3) then gives
+    # dim 0 per image too.
+    outs = [processor(images=[image], return_tensors="pt") for image in images]
+    tensors = concat_pixels([{k: v for k, v in out.items() if isinstance(v, torch.Tensor)} for out in outs])
+    pixels = taken(model.forward, tensors)
+    counts = image_tokens(model, pixels, len(images))
     prefix = [config.boi_token_index] if isinstance(getattr(config, "boi_token_index", None), int) else []
     suffix = [config.eoi_token_index] if isinstance(getattr(config, "eoi_token_index", None), int) else []
     return ImageBatch(pixels, counts, prefix, suffix, [(1, n) for n in counts])
@@ -215,10 +325,14 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
 
 def default_image_size(config) -> int:
     vision = config.vision_config
-    if config.model_type not in PREPROCESS or config.model_type == "llama4":
-        return getattr(vision, "image_size", None) or 224  # resized by the processor anyway
-    merge = getattr(config, "spatial_merge_size", None) or vision.spatial_merge_size
-    return 2 * vision.patch_size * merge  # 2 x 2 image tokens: the smallest image with structure
+    hw = size_pair(getattr(vision, "image_size", None))
+    if hw is not None and rule_of(config) in (None, "Llama4ImageProcessor"):
+        return max(hw)  # resized by the processor anyway
+    patch = size_pair(getattr(vision, "patch_size", None))
+    if patch is None:
+        return 224
+    merge = getattr(config, "spatial_merge_size", None) or getattr(vision, "spatial_merge_size", None) or 1
+    return 2 * patch[0] * merge  # 2 x 2 image tokens: the smallest image with structure
 
 
 def image_token_id(config) -> int:
@@ -232,9 +346,14 @@ def preprocess(
     built from the vision config. model: one of the architecture (the meta-device one serves),
     which counts the tokens of a fixed-size family's images."""
     if reason := unsupported(config, processor, model):
-        raise ConfigError(f"{reason}: images cannot be given to it here; use text-only queries")
-    family = PREPROCESS.get(config.model_type)
-    batch = family(config, images, processor) if family else _fixed_size(config, images, processor, model)
+        raise ConfigError(
+            f"{reason}: its requests cannot carry images here; give text-only prompt.queries, or a "
+            "model.checkpoint folder with its preprocessor_config.json"
+        )
+    rule = rule_of(config)
+    batch = (
+        PREPROCESS[rule](config, images, processor) if rule else _fixed_size(config, images, processor, model)
+    )
     batch.kwargs = {
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.kwargs.items()
     }
@@ -243,13 +362,17 @@ def preprocess(
 
 # The token a chat template writes for an image, which the family's processor expands; others write
 # the begin-of-image token where the config has one (Gemma 3), else the image token itself (LLaVA).
-TEMPLATE_IMAGE_TOKEN = {"mistral3": "[IMG]", "qwen2_5_vl": "<|image_pad|>", "llama4": "<|image|>"}
+TEMPLATE_IMAGE_TOKEN = {
+    "PixtralImageProcessor": "[IMG]",
+    "Qwen2VLImageProcessor": "<|image_pad|>",
+    "Llama4ImageProcessor": "<|image|>",
+}
 
 
 def chat_placeholder(config, tokenizer) -> int:
     """The id of the token the chat template puts where an image goes."""
-    if config.model_type in TEMPLATE_IMAGE_TOKEN:
-        return tokenizer.convert_tokens_to_ids(TEMPLATE_IMAGE_TOKEN[config.model_type])
+    if rule := rule_of(config):
+        return tokenizer.convert_tokens_to_ids(TEMPLATE_IMAGE_TOKEN[rule])
     boi = getattr(config, "boi_token_index", None)
     return boi if isinstance(boi, int) else image_token_id(config)
 
@@ -259,28 +382,30 @@ def expand(config, tokenizer, batch: ImageBatch, index: int) -> list[int]:
     ids = tokenizer.convert_tokens_to_ids
     image = image_token_id(config)
     rows, columns = batch.grids[index]
-    if config.model_type == "mistral3":
+    rule = rule_of(config)
+    if rule == "PixtralImageProcessor":
         tokens = [t for _ in range(rows) for t in [image] * columns + [ids("[IMG_BREAK]")]]
         tokens[-1] = ids("[IMG_END]")
         return tokens
-    if config.model_type == "qwen2_5_vl":  # the template writes the vision start and end around it
+    if rule == "Qwen2VLImageProcessor":  # the template writes the vision start and end around it
         return [image] * (rows * columns)
-    if config.model_type == "llama4":
+    if rule == "Llama4ImageProcessor":
         return [ids("<|image_start|>"), ids("<|image|>"), *[image] * (rows * columns), ids("<|image_end|>")]
     return batch.placeholder(image, index)  # [boi] image... [eoi]
 
 
 def concat_pixels(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Images of several requests in one call: concatenated along dim 0; image tensors of different
-    sizes ([N, 3, H, W]) are zero-padded to the largest, as the processors pad a batch (the model
-    crops by image_sizes)."""
+    """Images of several requests in one call: concatenated along dim 0; tensors whose other dims
+    differ ([N, 3, H, W] of different sizes, [N, tiles, ...] of different tile counts) are
+    zero-padded at the end of each to the largest, as the processors pad a batch (the model crops
+    by image_sizes, or skips what a pixel mask leaves out)."""
     out = {}
     for key in dict.fromkeys(k for p in parts for k in p):
         tensors = [p[key] for p in parts if key in p]
-        if tensors[0].dim() == 4:
-            height, width = max(t.shape[2] for t in tensors), max(t.shape[3] for t in tensors)
-            tensors = [
-                torch.nn.functional.pad(t, (0, width - t.shape[3], 0, height - t.shape[2])) for t in tensors
-            ]
-        out[key] = torch.cat(tensors)
+        largest = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+        padded = []
+        for t in tensors:
+            widths = [w for d in reversed(range(1, t.dim())) for w in (0, largest[d - 1] - t.shape[d])]
+            padded.append(torch.nn.functional.pad(t, widths) if any(widths) else t)
+        out[key] = torch.cat(padded)
     return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,9 @@ def make_example_inputs(
     body = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator)
     image_part = torch.tensor([images.placeholder(image_token_id(config), i) for i in range(batch)])
     ids = torch.cat([body[:, :half], image_part, body[:, half:]], dim=1).to(device)
-    return ExampleInputs(
-        text, with_token_types(config, {"input_ids": ids, **images.kwargs, "use_cache": False})
-    )
+    call = with_token_types(config, {"input_ids": ids, **images.kwargs, "use_cache": False})
+    if model is not None and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        # what the family's processor returns beside the ids (1 marks an image token): Qwen2-VL's
+        # model refuses image grids without it, Qwen2.5-VL's would count plain positions
+        call["mm_token_type_ids"] = (ids == image_token_id(config)).int()
+    return ExampleInputs(text, call)

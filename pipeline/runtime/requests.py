@@ -75,12 +75,10 @@ def image_part(
 def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, device, sources) -> Request:
     image_tokens: list[int] = []
     pixels: dict[str, torch.Tensor] = {}
-    # A VLM's request carries an image: a given one, or synthetic where the family's images can be
-    # prepared (else the request is text-only, and load says why)
-    vlm = getattr(hf_config, "vision_config", None) is not None
-    if vlm and (
-        prompt.images or not imaging.unsupported(hf_config, sources.image_processor, sources.skeleton)
-    ):
+    # A VLM's request carries an image, a given one or synthetic; where the family's images cannot
+    # be prepared, preprocessing refuses the workload up front (check_workload) saying why, rather
+    # than running it as text
+    if getattr(hf_config, "vision_config", None) is not None:
         if prompt.images:
             image = imaging.load_image(prompt.images[seq_id % len(prompt.images)])
         else:
