@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,10 +283,21 @@ def _counts(out) -> list[int]:
     return [int(features.shape[1])] * int(features.shape[0])
 
 
+# meta-device model -> its copy with vision memory: made once, every later image counted on it
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _counted_for_real(model: torch.nn.Module, call: dict[str, torch.Tensor]) -> list[int]:
     """get_image_features on CPU with the real pixels, on a copy of the meta-device model whose
-    parts outside the decoder stack and the lm_head get uninitialized memory: the token count
-    follows the shapes and the pixels, not the weights."""
+    parts outside the decoder stack and the lm_head get zeroed memory: the token count follows the
+    shapes and the pixels, not the weights."""
+    if model not in _COUNTERS:
+        _COUNTERS[model] = _counter(model)
+    with torch.no_grad():
+        return _counts(_COUNTERS[model].get_image_features(**{k: v.cpu() for k, v in call.items()}))
+
+
+def _counter(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     from pipeline.graphs import find_language_models
@@ -301,8 +313,7 @@ def _counted_for_real(model: torch.nn.Module, call: dict[str, torch.Tensor]) -> 
             for name, tensor in table.items():
                 if tensor is not None and tensor.is_meta:
                     table[name] = torch.zeros_like(tensor, device="cpu")
-    with torch.no_grad():
-        return _counts(counter.get_image_features(**{k: v.cpu() for k, v in call.items()}))
+    return counter
 
 
 def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBatch:

@@ -93,9 +93,11 @@ def generation_notes(
     ]
 
 
-def resource_metrics(model: nn.Module, engine: DemoLLM) -> tuple[dict[str, float], list[str]]:
+def resource_metrics(
+    model: nn.Module, engine: DemoLLM, piecewise_reports: list[dict]
+) -> tuple[dict[str, float], list[str]]:
     """The KV cache the engine allocated and, per CUDA-graph runner, its replays and memory; per
-    piecewise runner, its buckets (piecewise_metrics)."""
+    piecewise runner's report, its buckets (piecewise_metrics)."""
     metrics: dict[str, float] = {}
     notes: list[str] = []
     for runner in (m for m in model.modules() if isinstance(m, CUDAGraphRunner)):
@@ -108,8 +110,7 @@ def resource_metrics(model: nn.Module, engine: DemoLLM) -> tuple[dict[str, float
             f"uncaptured, buckets captured {sorted(runner.graphs)}, "
             f"{runner.pool_bytes / 2**20:.1f} MiB reserved by the captures"
         )
-    for runner in piecewise.runners(model):
-        report = runner.report()
+    for runner, report in zip(piecewise.runners(model), piecewise_reports, strict=True):
         piece_metrics, piece_notes = piecewise_metrics(report)
         for key, value in piece_metrics.items():  # the decode runner's share, where there is one
             metrics[key] = metrics.get(key, 0.0) + value if key.startswith(("memory/", "capture/")) else value

@@ -59,10 +59,10 @@ def run(state: RunState) -> StageResult:
     if state.backend in ("torch-compile", "torch-opt"):
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
-    resources, resource_notes = generation.resource_metrics(state.model, engine)
+    reports = [runner.report() for runner in piecewise.runners(state.model)]
+    resources, resource_notes = generation.resource_metrics(state.model, engine, reports)
     artifacts, tables = [tokens_file], {}
-    for runner in piecewise.runners(state.model):  # one table: only the language model is cached
-        report = runner.report()
+    for report in reports:  # one table: only the language model is cached
         path = state.run_dir / "generation" / "piecewise.json"
         path.write_text(json.dumps(report, indent=1) + "\n")
         artifacts.append(path)
