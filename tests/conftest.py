@@ -46,7 +46,7 @@ CONF_DIR = str(REPO_ROOT / "conf")
 TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
 TINY_VLMS = ["tiny_mistral3", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
 TINY_TEXT = ["tiny_magistral", "tiny_llama3_1_8b"]
-# Families the project was not written for (issue 20): a YAML each, nothing else per family
+# Families the project was not written for (issues 20 and 53): a YAML each, nothing else per family
 TINY_FAMILIES = [
     "tiny_llava",
     "tiny_gemma3",
@@ -57,6 +57,7 @@ TINY_FAMILIES = [
     "tiny_llava_next",
     "tiny_idefics3",
     "tiny_internvl",
+    "tiny_aya_vision",
 ]
 FAMILY_VLMS = [
     "tiny_llava",
@@ -66,6 +67,7 @@ FAMILY_VLMS = [
     "tiny_llava_next",
     "tiny_idefics3",
     "tiny_internvl",
+    "tiny_aya_vision",
 ]
 # Mixture-of-experts text models beside Llama-4 (issue 23): their experts in transformers' grouped form
 TINY_MOE = ["tiny_mixtral", "tiny_qwen3_moe"]

@@ -31,6 +31,7 @@ FAMILY_INPUTS = {
     "tiny_llava_next": ["inputs_embeds", "position_ids"],
     "tiny_idefics3": ["inputs_embeds", "position_ids"],
     "tiny_internvl": ["inputs_embeds", "position_ids"],
+    "tiny_aya_vision": ["inputs_embeds", "position_ids"],
 }
 
 

@@ -44,11 +44,19 @@ FULL_CAPTURE = {
     "tiny_llava_next": ("export", "GuardOnDataDependentSymNode"),  # its tile count from image_sizes
     "tiny_idefics3": VLM_FULL_GRAPH,
     "tiny_internvl": VLM_FULL_GRAPH,
+    "tiny_aya_vision": VLM_FULL_GRAPH,
 }
+
+
+# Text families whose RoPE rotates interleaved pairs (Cohere's), which match_rope's rotate-half
+# pattern is not: their RoPE stays the exported aten ops, checked against eager like the rest
+INTERLEAVED_ROPE = ("cohere2",)
 
 
 def _layers_with(hf_config, kind: str) -> int:
     text = zoo.text_config_of(hf_config)
+    if kind == "rope" and text.model_type in INTERLEAVED_ROPE:
+        return 0
     if kind == "rope" and getattr(text, "no_rope_layers", None):
         return sum(1 for use_rope in text.no_rope_layers if use_rope)
     return text.num_hidden_layers
