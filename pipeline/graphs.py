@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import fx, nn
 
 from pipeline.attention.kv_cache import CacheSpec
@@ -29,6 +30,26 @@ RECORD_KEY = "pipeline"
 # Runtime inputs a graph gained after export (KV caches, step metadata), from the call's kwargs as
 # the parent made them (HF's mask included, which the graph itself may no longer take).
 RuntimeInputs = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class VisionInput:
+    """A graph input only an image call gives the language model (Qwen3-VL's DeepStack features and
+    the mask of their tokens): a call without images leaves it None, and the graph gets its empty
+    form instead, no image tokens, which export checked does what None does."""
+
+    structure: Any  # the pytree spec of the value (a tensor, or a list of them)
+    # per leaf: its shape, each dim a size or "batch" / "seq" (the call's) or "image_tokens" (0)
+    leaves: list[tuple[tuple[int | str, ...], torch.dtype]]
+
+    def empty(self, tokens: torch.Tensor) -> Any:
+        """tokens: the call's input_ids [B, S] or inputs_embeds [B, S, H]."""
+        sizes = {"batch": tokens.shape[0], "seq": tokens.shape[1], "image_tokens": 0}
+        leaves = [
+            torch.zeros([sizes.get(d, d) for d in shape], dtype=dtype, device=tokens.device)
+            for shape, dtype in self.leaves
+        ]
+        return torch.utils._pytree.tree_unflatten(leaves, self.structure)
 
 
 @dataclass
@@ -58,6 +79,7 @@ class GraphRecord:
     # Inputs the graph no longer reads (HF's mask, once cached attention replaced the attention that
     # read it): a call may still pass them, and they are not forwarded
     unused_inputs: list[str] = field(default_factory=list)
+    vision_inputs: dict[str, VisionInput] = field(default_factory=dict)
     # backend.piecewise=true: the graph's pieces in order, each node's in its meta (SEGMENT)
     segments: list[Segment] = field(default_factory=list)
     # The eager module the graph replaced (its weights are the graph's, or were before a rewrite

@@ -129,13 +129,18 @@ def build_image_processor(hf_config):
     return None
 
 
-def save_checkpoint(model: torch.nn.Module, folder: Path, shard: str = "40KB", dtype=None) -> Path:
+def save_checkpoint(
+    model: torch.nn.Module, folder: Path, shard: str = "40KB", dtype=None, tokenizer: bool = True
+) -> Path:
     """model (and its tokenizer, chat template and processor) as a Hugging Face model folder, in
-    safetensors shards of at most `shard` with model.safetensors.index.json."""
+    safetensors shards of at most `shard` with model.safetensors.index.json. tokenizer=False: the
+    weights and config alone (families with no tokenizer layout here)."""
     folder.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder, max_shard_size=shard)
+    if not tokenizer:
+        return folder
     config = model.config
     text = getattr(config, "text_config", None) or config
     tokenizer = build_tokenizer(config.model_type, text.vocab_size)

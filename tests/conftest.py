@@ -58,6 +58,10 @@ TINY_FAMILIES = [
     "tiny_idefics3",
     "tiny_internvl",
     "tiny_aya_vision",
+    "tiny_smolvlm",
+    "tiny_llava_onevision",
+    "tiny_glm4v",
+    "tiny_qwen3_vl",
 ]
 FAMILY_VLMS = [
     "tiny_llava",
@@ -68,6 +72,10 @@ FAMILY_VLMS = [
     "tiny_idefics3",
     "tiny_internvl",
     "tiny_aya_vision",
+    "tiny_smolvlm",
+    "tiny_llava_onevision",
+    "tiny_glm4v",
+    "tiny_qwen3_vl",
 ]
 # Mixture-of-experts text models beside Llama-4 (issue 23): their experts in transformers' grouped form
 TINY_MOE = ["tiny_mixtral", "tiny_qwen3_moe"]
@@ -115,7 +123,7 @@ def capture_tiny(model, hf_config, examples, paths: list[str] | None = None):
     offset = probe.first_position(
         model, lm_paths[0] if len(lm_paths) == 1 else "", examples.text["input_ids"][:1, :2]
     )
-    return graph_capture.capture(model, paths, examples.image or examples.text, offset)
+    return graph_capture.capture(model, paths, examples.image or examples.text, offset, examples.text)
 
 
 def job_of(overrides: list[str], run_dir: Path, dtype=torch.float32, device: str = "cpu") -> Job:

@@ -170,6 +170,12 @@ def _parents_hold_their_children(node: dict) -> None:
         )
 
 
+# Work a family's text model does between its layers, which no layer holds: Qwen3-VL's DeepStack
+# adds vision features to the hidden states after layer 0 in the stack's own loop (an index, a
+# nonzero and an index_put, 5 % of the tiny prefill's kernels; run empty in decode)
+BETWEEN_LAYERS_PCT = {"tiny_qwen3_vl": 10}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
 def test_torch_compile_profiles_see_every_layer(name, tmp_path):
@@ -179,7 +185,7 @@ def test_torch_compile_profiles_see_every_layer(name, tmp_path):
     profile, graph = _profiled(name, "torch-compile", tmp_path)
     for phase in ("prefill", "decode_1", "decode"):
         entry = profile["phases"][phase]
-        assert layer_kernel_pct(entry["model_stats"]) >= 95, phase
+        assert layer_kernel_pct(entry["model_stats"]) >= 95 - BETWEEN_LAYERS_PCT.get(name, 0), phase
         inside = {f for f in _modules(entry["model_stats"], graph) if ".layers." in f and "vision" not in f}
         layers = sorted(f for f in inside if f.rsplit(".", 1)[-1].isdigit())
         assert len(layers) == 2, (phase, sorted(inside))

@@ -14,9 +14,11 @@ import pytest
 import torch
 from checkpoints import save_checkpoint
 from conftest import (
+    TINY_FAMILIES,
     TINY_MODELS,
     TINY_MOE,
     build_tiny,
+    compose_cfg,
     compose_dict,
     generated_tokens,
     job_of,
@@ -413,3 +415,45 @@ def test_piecewise_capture_generates_what_hugging_face_generates(folders, photo,
     tokens = generated_tokens(tmp_path)
     expected = _hf_reference(checked.model_cls, folders[name], requests, torch.float32, 6)
     assert tokens == {r.seq_id: expected[r.seq_id] for r in requests}
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny family saved by Hugging Face's save_pretrained: its config.json in the published
+    shape (nested rope_parameters, layer_types, sizes as lists or dicts), weights in one file."""
+    root = tmp_path_factory.mktemp("families")
+    return {
+        name: save_checkpoint(build_tiny(name, seed=3)[0], root / name, shard="50MB", tokenizer=False)
+        for name in TINY_FAMILIES
+    }
+
+
+@pytest.mark.parametrize("name", TINY_FAMILIES)
+def test_each_family_loads_from_its_published_config(name, family_folders, tmp_path):
+    """`model=hf model.checkpoint=<folder>`: the config read back from config.json is the YAML's,
+    and the pipeline's partly captured model generates, for the synthetic workload (an image in
+    every request of a VLM), the tokens from_pretrained + generate does on the folder."""
+    folder = family_folders[name]
+    overrides = ["model=hf", f"model.checkpoint={folder}", "prompt.batch_size=2", "prompt.output_len=4"]
+    checked = check_config(compose_dict(overrides), cuda_available=False)
+    from_yaml = zoo.build_hf_config(compose_cfg([f"model={name}"]).model)
+    assert _comparable(checked.hf_config) == _comparable(from_yaml)
+    with staged(overrides, "transforms", tmp_path) as state:
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources
+        )
+        assert all(bool(r.images) == zoo.is_vlm(state.hf_config) for r in requests)
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate(requests, 4, SamplingParams(), seed=0).tokens
+    assert tokens == _hf_reference(checked.model_cls, folder, requests, torch.float32, 4)
+
+
+def _comparable(values) -> dict:
+    """A config as its values, nested configs too: without what saving adds (architectures, dtype,
+    versions)."""
+    skip = {"architectures", "dtype", "transformers_version", "_name_or_path"}
+    values = values.to_diff_dict() if hasattr(values, "to_diff_dict") else values
+    return {k: _comparable(v) if isinstance(v, dict) else v for k, v in values.items() if k not in skip}

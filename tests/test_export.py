@@ -32,6 +32,10 @@ FAMILY_INPUTS = {
     "tiny_idefics3": ["inputs_embeds", "position_ids"],
     "tiny_internvl": ["inputs_embeds", "position_ids"],
     "tiny_aya_vision": ["inputs_embeds", "position_ids"],
+    "tiny_smolvlm": ["inputs_embeds", "position_ids"],
+    "tiny_llava_onevision": ["inputs_embeds", "position_ids"],
+    "tiny_glm4v": ["inputs_embeds", "position_ids"],
+    "tiny_qwen3_vl": ["deepstack_visual_embeds", "inputs_embeds", "position_ids", "visual_pos_masks"],
 }
 
 
@@ -163,6 +167,101 @@ def test_positional_call_and_constant_mismatch():
             inputs_embeds=embeds, position_ids=torch.arange(5, 5 + embeds.shape[1])[None].expand(2, -1)
         )
         assert not torch.allclose(shifted.last_hidden_state, expected)
+
+
+def test_a_kwarg_the_module_does_not_read_is_not_baked_in():
+    """LLaVA-OneVision's model passes the head's logits_to_keep down to its decoder stack, which has
+    no head: export leaves it out, and generation's tensor form of it (the rows a packed step
+    keeps) reaches the graph as well as the int the export saw. A kwarg the module reads stays a
+    constant the call must match."""
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    assert graph_capture.reads(LlamaForCausalLM.__new__(LlamaForCausalLM), "logits_to_keep")
+    stack = LlamaModel.__new__(LlamaModel)
+    assert graph_capture.reads(stack, "output_attentions") and not graph_capture.reads(
+        stack, "logits_to_keep"
+    )
+    model, hf_config, examples = build_tiny("tiny_llava_onevision")
+    reference = _logits(model, examples.text)
+    model, captured = capture_tiny(model, hf_config, examples)
+    assert "logits_to_keep" in captured[0].unread and "logits_to_keep" not in captured[0].constants
+    with torch.no_grad():
+        kept = model(**examples.text, logits_to_keep=torch.tensor([3, 7])).logits
+    torch.testing.assert_close(kept, reference[:, [3, 7]], rtol=0, atol=1e-5)
+
+
+class _VisionStates(torch.nn.Module):
+    """A language model that takes vision states beside its embeddings; `additive` adds them at the
+    image tokens (DeepStack), otherwise a layer that runs only with them attends over them."""
+
+    def __init__(self, additive: bool):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.additive = additive
+
+    def forward(self, inputs_embeds, image_mask=None, states=None):  # [B, S, 8], [B, S], [N, 8]
+        hidden = self.proj(inputs_embeds)
+        if states is None:
+            return hidden
+        if self.additive:
+            return hidden.masked_scatter(image_mask[..., None], hidden[image_mask] + states)
+        # A layer that runs only with states: attention over them (no states: no weights), then its
+        # MLP, which runs whatever the states (Mllama's cross-attention layers)
+        weights = torch.softmax(hidden @ states.T, dim=-1)  # [B, S, N]
+        hidden = hidden + weights @ states
+        return hidden + self.proj(hidden)
+
+
+class _ToyVLM(torch.nn.Module):
+    def __init__(self, additive: bool):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(image_token_id=7)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.vision = torch.nn.Linear(4, 8)
+        self.language_model = _VisionStates(additive)
+
+    def forward(self, input_ids, pixels=None):  # pixels: [N, 4], one row per image token
+        embeds = self.embed(input_ids)
+        if pixels is None:
+            return self.language_model(inputs_embeds=embeds)
+        return self.language_model(
+            inputs_embeds=embeds, image_mask=input_ids == 7, states=self.vision(pixels)
+        )
+
+
+def _toy_calls(image_tokens: int) -> tuple[dict, dict]:
+    ids = torch.randint(0, 7, (2, 11))
+    ids[:, 2 : 2 + image_tokens // 2] = 7
+    return {"input_ids": ids, "pixels": torch.randn(image_tokens, 4)}, {
+        "input_ids": torch.randint(0, 7, (2, 11))
+    }
+
+
+def test_vision_inputs_of_a_language_model_are_empty_without_images():
+    """Inputs only an image call gives the language model (Qwen3-VL's DeepStack features and their
+    mask) become dynamic in the image-token count, and a call without images gets their empty
+    form: the graph equals eager on an image call of another token count and on a text call."""
+    torch.manual_seed(0)
+    model = _ToyVLM(additive=True)
+    image, text = _toy_calls(6)
+    model, captured = graph_capture.capture(model, ["language_model"], image, 0, text)
+    assert captured[0].dynamic_dims["states"] == {0: "image_tokens"}
+    eager = _ToyVLM(additive=True)
+    eager.load_state_dict(model.state_dict())
+    other, _ = _toy_calls(10)
+    for call in (other, text):
+        with torch.no_grad():
+            torch.testing.assert_close(model(**call), eager(**call), rtol=0, atol=1e-6)
+
+
+def test_vision_inputs_whose_empty_form_differs_are_refused():
+    """Cross-attention over no states is not the layer skipped (Mllama skips it without images):
+    export refuses such a language model, naming its vision inputs."""
+    image, text = _toy_calls(6)
+    with pytest.raises(graph_capture.ExportError, match=r"\['image_mask', 'states'\].*capture=none"):
+        graph_capture.capture(_ToyVLM(additive=False), ["language_model"], image, 0, text)
 
 
 def test_graph_keeps_the_parents_interface_without_copying_weights():

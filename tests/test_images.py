@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILY_VLMS, build_tiny, compose_cfg
+from conftest import FAMILY_VLMS, build_tiny, compose_cfg, run_pipeline
 
 from pipeline.errors import ConfigError
 from pipeline.models import images, meta, zoo
@@ -30,8 +30,12 @@ def test_image_tokens_are_what_the_model_makes_of_the_image(name):
         hf_config, [images.synthetic_image(80, torch.Generator().manual_seed(0))], torch.float32, torch.device("cpu"),
         None, skeleton,
     )  # fmt: skip
-    if images.rule_of(hf_config) is None:  # the family's processor, sized by the config
-        side = images.size_pair(hf_config.vision_config.image_size)
+    processor = images.sized_processor(hf_config) if images.rule_of(hf_config) is None else None
+    vision = hf_config.vision_config
+    if processor is not None and getattr(processor, "merge_size", None):  # variable resolution
+        assert (processor.patch_size, processor.merge_size) == (vision.patch_size, vision.spatial_merge_size)
+    elif processor is not None:  # the family's processor, sized by the config
+        side = images.size_pair(vision.image_size)
         assert tuple(batch.kwargs["pixel_values"].shape[-2:]) == side
     model, _, _ = build_tiny(name)
     with torch.no_grad():
@@ -64,6 +68,27 @@ def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(
             torch.device("cpu"),
             Sources(skeleton=skeleton),
         )
+
+
+def test_whether_a_model_takes_images_comes_from_its_class():
+    """Fuyu embeds image patches with one linear layer and has no vision_config: still a VLM (its
+    forward takes image_patches), whose images are refused for want of sizes rather than left out;
+    Gemma 3's text-only config is no VLM although Gemma 3 is a VLM family."""
+    from transformers import FuyuConfig, Gemma3TextConfig, LlamaConfig, Qwen3VLConfig
+
+    assert zoo.is_vlm(FuyuConfig()) and getattr(FuyuConfig(), "vision_config", None) is None
+    assert zoo.is_vlm(Qwen3VLConfig())
+    assert not zoo.is_vlm(LlamaConfig()) and not zoo.is_vlm(Gemma3TextConfig())
+    assert "no vision_config" in images.unsupported(FuyuConfig())
+
+
+def test_a_cross_attention_vlm_is_refused_up_front(tmp_path):
+    """Mllama's images are no prompt tokens: its cross-attention layers read the vision states at
+    every step. An image workload exits 2 before loading anything, saying so, not run as text."""
+    proc = run_pipeline(["model=tiny_mllama", "tracking.enabled=false"], tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cross-attention" in proc.stderr and "prompt.queries" in proc.stderr
+    assert not (tmp_path / "run" / "load").exists()
 
 
 def test_image_sizes_are_read_whatever_shape_the_config_gives():

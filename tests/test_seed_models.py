@@ -45,12 +45,16 @@ FULL_CAPTURE = {
     "tiny_idefics3": VLM_FULL_GRAPH,
     "tiny_internvl": VLM_FULL_GRAPH,
     "tiny_aya_vision": VLM_FULL_GRAPH,
+    "tiny_smolvlm": VLM_FULL_GRAPH,
+    "tiny_llava_onevision": ("export", "GuardOnDataDependentSymNode"),  # as LLaVA-NeXT's tiles
+    "tiny_glm4v": ("export", "model.visual"),
+    "tiny_qwen3_vl": ("export", "model.visual"),
 }
 
 
-# Text families whose RoPE rotates interleaved pairs (Cohere's), which match_rope's rotate-half
+# Text families whose RoPE rotates interleaved pairs (Cohere's, GLM's), which match_rope's rotate-half
 # pattern is not: their RoPE stays the exported aten ops, checked against eager like the rest
-INTERLEAVED_ROPE = ("cohere2",)
+INTERLEAVED_ROPE = ("cohere2", "glm4v_text")
 
 
 def _layers_with(hf_config, kind: str) -> int:

@@ -16,6 +16,7 @@ import functools
 import inspect
 import io
 import time
+import typing
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental import _config as shape_config
 from torch.utils import _pytree as pytree
 
-from pipeline.graphs import GraphRecord, first_tensor, record_of, set_record
+from pipeline.graphs import GraphRecord, VisionInput, first_tensor, record_of, set_record
+from pipeline.models import images as imaging
 from pipeline.models.probe import first_calls
 
 _PRIMITIVES = (bool, int, float, str)
@@ -101,7 +104,8 @@ class CapturedGraph:
     graph_module: torch.fx.GraphModule
     tensor_inputs: list[str]
     constants: dict[str, Any]  # baked into the graph; a call must pass the same values or none
-    dropped: list[str]
+    dropped: list[str]  # None-valued kwargs of the recorded call
+    unread: list[str]  # constants the forward does not read (`reads`): left out of the graph
     dynamic_dims: dict[str, dict[int, str]]  # input name -> {dim: "batch" | "seq"}
     range_constraints: dict[str, str]
     export_s: float
@@ -151,6 +155,23 @@ def default_position_ids(config, tokens: torch.Tensor, offset: int = 0) -> torch
     return positions
 
 
+def reads(module: nn.Module, name: str) -> bool:
+    """Whether the module's forward can read a kwarg: one it names, or one its typed catch-all
+    (`**kwargs: Unpack[TransformersKwargs]`) lists. A name neither lists reaches no code of the
+    module (a VLM passes the head's `logits_to_keep` down to its decoder stack, which has no head):
+    it is not baked into the graph, and a call may pass any value of it."""
+    parameters = inspect.signature(module.forward).parameters
+    if name in parameters and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD:
+        return True
+    catch_all = next((p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if catch_all is None:
+        return False
+    typed = [a for a in typing.get_args(catch_all.annotation) if typing.is_typeddict(a)]
+    if catch_all.annotation is inspect.Parameter.empty or not typed:
+        return True  # an untyped catch-all may read anything
+    return any(name in t.__annotations__ for t in typed)
+
+
 def with_position_ids(module: nn.Module, recorded: RecordedCall, offset: int) -> RecordedCall:
     """Position ids as a graph input: the runtime must tell a decode step where it is, and HF's
     models compute them from an arange when none are given, which export would bake in."""
@@ -181,7 +202,9 @@ def record_calls(model: nn.Module, paths: list[str], call: dict[str, Any]) -> di
     return {path: RecordedCall(_bind(known[path], *calls[path])) for path in paths}
 
 
-def _tensor_dims(tensor: torch.Tensor, batch: int, seq: int) -> tuple[dict[int, Any], dict[int, str]]:
+def _tensor_dims(
+    tensor: torch.Tensor, batch: int, seq: int, image_tokens: int = 0
+) -> tuple[dict[int, Any], dict[int, str]]:
     spec: dict[int, Any] = {}
     marks: dict[int, str] = {}
     for i, size in enumerate(tensor.shape):
@@ -189,6 +212,8 @@ def _tensor_dims(tensor: torch.Tensor, batch: int, seq: int) -> tuple[dict[int, 
             spec[i], marks[i] = Dim.AUTO, "seq"
         elif size == batch and "batch" not in marks.values():
             spec[i], marks[i] = Dim.AUTO, "batch"
+        elif image_tokens and size == image_tokens:
+            spec[i], marks[i] = Dim.AUTO, "image_tokens"
     return spec, marks
 
 
@@ -197,20 +222,22 @@ def _key_name(path) -> str:
 
 
 def dynamic_shape_spec(
-    module: nn.Module, tensors: dict[str, Any], batch: int, seq: int
+    module: nn.Module, tensors: dict[str, Any], batch: int, seq: int, vision: dict[str, int] | None = None
 ) -> tuple[dict[str, Any], dict[str, dict[int, str]]]:
     """Dim.AUTO for every batch and sequence dim, matched by size (the example batch and sequence
-    lengths are chosen so no other dim shares them); a container's tensors each get theirs, in the
-    container's structure (named `<kwarg>_<key>`, as export names their placeholders). The spec
+    lengths are chosen so no other dim shares them), and in the vision inputs (`vision`: name -> the
+    example's image-token count) every dim of that count; a container's tensors each get theirs, in
+    the container's structure (named `<kwarg>_<key>`, as export names their placeholders). The spec
     follows the forward's signature: names that travel through **kwargs are nested under that
     parameter, as export requires."""
+    vision = vision or {}
     dims: dict[str, dict[int, str]] = {}
     params = inspect.signature(module.forward).parameters
     var_kw = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     nested: dict[str, Any] = {}
     for name, value in tensors.items():
         if isinstance(value, torch.Tensor):
-            spec, dims[name] = _tensor_dims(value, batch, seq)
+            spec, dims[name] = _tensor_dims(value, batch, seq, vision.get(name, 0))
             spec = spec or None
         else:
             leaves, structure = pytree.tree_flatten_with_path(value)
@@ -219,7 +246,9 @@ def dynamic_shape_spec(
                 if leaf is None:
                     specs.append(None)
                     continue
-                leaf_spec, dims[f"{name}_{_key_name(path)}"] = _tensor_dims(leaf, batch, seq)
+                leaf_spec, dims[f"{name}_{_key_name(path)}"] = _tensor_dims(
+                    leaf, batch, seq, vision.get(name, 0)
+                )
                 specs.append(leaf_spec or None)
             spec = pytree.tree_unflatten(specs, structure)
         if name in params or var_kw is None:
@@ -242,18 +271,40 @@ def constants_bound(module: nn.Module, constants: dict[str, Any]) -> Iterator[No
 
 
 def export_module(
-    module: nn.Module, path: str, recorded: RecordedCall, batch: int, seq: int, position_offset: int = 0
+    module: nn.Module,
+    path: str,
+    recorded: RecordedCall,
+    batch: int,
+    seq: int,
+    position_offset: int = 0,
+    text_call: RecordedCall | None = None,
+    image_tokens: int = 0,
 ) -> CapturedGraph:
     """position_offset: where the model's own positions start (models/probe.py): the graph's default
-    when a call gives none."""
+    when a call gives none. text_call: the module's call from a text-only parent call, beside
+    `recorded` from an image call with `image_tokens` image tokens: the inputs only the image call
+    gives are vision inputs (VisionInput), their image-token dims dynamic."""
     tensors, constants, dropped = with_position_ids(module, recorded, position_offset).split()
-    spec, dims = dynamic_shape_spec(module, tensors, batch, seq)
+    unread = [name for name in constants if not reads(module, name)]
+    constants = {k: v for k, v in constants.items() if k not in unread}
+    vision = {}
+    if text_call is not None:
+        vision = {n: image_tokens for n in tensors if text_call.kwargs.get(n) is None and n != "position_ids"}
+    spec, dims = dynamic_shape_spec(module, tensors, batch, seq, vision)
     start = time.perf_counter()
     # On failure torch prints the partial graph (hundreds of lines) to stderr: keep it for the
     # run's logs instead of the console.
     stderr = io.StringIO()
     try:
-        with torch.no_grad(), constants_bound(module, constants), contextlib.redirect_stderr(stderr):
+        # A vision input's image-token dim is 0 in a call without images: export must not assume
+        # its sizes >= 2, as it does of a dim seen at 2 or more (size-oblivious for backed sizes)
+        oblivious = shape_config.patch(backed_size_oblivious=bool(vision))
+        with (
+            torch.no_grad(),
+            constants_bound(module, constants),
+            contextlib.redirect_stderr(stderr),
+            oblivious,
+        ):
             program = torch.export.export(module, (), tensors, dynamic_shapes=spec, strict=False)
     except Exception as exc:
         raise ExportFailed(stderr.getvalue(), path) from exc
@@ -265,6 +316,7 @@ def export_module(
         tensor_inputs=list(tensors),
         constants=constants,
         dropped=dropped,
+        unread=unread,
         dynamic_dims=dims,
         range_constraints={str(k): str(v) for k, v in program.range_constraints.items()},
         export_s=export_s,
@@ -279,12 +331,59 @@ def export_module(
             list(tensors),
             dict(constants),
             position_offset=position_offset,
+            unused_inputs=unread,
+            vision_inputs=_vision_inputs(module, path, tensors, dims, vision, text_call, constants),
             original=module,
         ),
     )
     _install_kwargs_adapter(graph_module, module)
     _keep_parent_interface(graph_module, module)
     return captured
+
+
+def _vision_inputs(
+    module: nn.Module,
+    path: str,
+    tensors: dict[str, Any],
+    dims: dict[str, dict[int, str]],
+    vision: dict[str, int],
+    text_call: RecordedCall | None,
+    constants: dict[str, Any],
+) -> dict[str, VisionInput]:
+    """The empty form of each vision input, checked on the eager module with the text-only call:
+    the same output with the empty inputs as with None. A module where no image tokens is not the
+    same as no vision input (cross-attention over no states) cannot take a text call as one graph."""
+    if not vision:
+        return {}
+    out = {}
+    for name in vision:
+        leaves, structure = pytree.tree_flatten_with_path(tensors[name])
+        shapes = []
+        for key_path, leaf in leaves:
+            marks = (
+                dims[name]
+                if isinstance(tensors[name], torch.Tensor)
+                else dims[f"{name}_{_key_name(key_path)}"]
+            )
+            shapes.append((tuple(marks.get(i, size) for i, size in enumerate(leaf.shape)), leaf.dtype))
+        out[name] = VisionInput(pytree.tree_structure(tensors[name]), shapes)
+    call = {k: v for k, v in text_call.kwargs.items() if k not in vision}
+    tokens = first_tensor(call)
+    with torch.no_grad():
+        without = module(**call)
+        empty = module(**call, **{n: v.empty(tokens) for n, v in out.items()})
+    if not torch.equal(first_tensor_of(without), first_tensor_of(empty)):
+        raise ExportError(
+            f"graph '{path or 'root'}' takes {sorted(vision)} only from an image call, and empty ones "
+            "(no image tokens) do not compute what a text call without them does; capture=none runs "
+            "the model eager"
+        )
+    return out
+
+
+def first_tensor_of(output: Any) -> torch.Tensor:
+    """A module's main output: the tensor, or the first tensor of its output object or tuple."""
+    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 def _check_dynamic(program, captured: CapturedGraph) -> None:
@@ -318,6 +417,8 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
                 adapted[name] = default_position_ids(
                     signature_owner.config, first_tensor(call), record.position_offset
                 )
+            elif name in inputs and value is None and name in record.vision_inputs:
+                adapted[name] = record.vision_inputs[name].empty(first_tensor(call))
             elif name in inputs:
                 adapted[name] = value
             elif name in record.unused_inputs:
@@ -333,6 +434,8 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
                     f"graph '{record.name}' was exported without '{name}' and was called with it "
                     f"({type(value).__name__}); its inputs are {sorted(inputs)}"
                 )
+        for name in record.vision_inputs.keys() - adapted.keys():  # a call without them at all
+            adapted[name] = record.vision_inputs[name].empty(first_tensor(call))
         if "position_ids" in inputs and "position_ids" not in adapted:
             adapted["position_ids"] = default_position_ids(
                 signature_owner.config, first_tensor(call), record.position_offset
@@ -380,20 +483,34 @@ def eager_parts(model: nn.Module, captured_paths: list[str]) -> list[str]:
 
 
 def capture(
-    model: nn.Module, paths: list[str], call: dict[str, Any], position_offset: int = 0
+    model: nn.Module,
+    paths: list[str],
+    call: dict[str, Any],
+    position_offset: int = 0,
+    text_call: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, list[CapturedGraph]]:
     """Export each path ("" = the whole model) from `call` and swap it in; returns the new root.
     The batch and sequence sizes come from the call's input_ids: [B, S]. position_offset: where the
-    model's positions start (models/probe.py)."""
+    model's positions start (models/probe.py). text_call: a text-only call beside an image `call`,
+    which tells the inputs a submodule gets from images alone (`export_module`)."""
     if paths == [""]:
         recorded = {"": RecordedCall(dict(call))}
     else:
         recorded = record_calls(model, paths, call)
+    # A submodule that takes inputs from an image call which a text-only call leaves None
+    text_calls = (
+        record_calls(model, paths, text_call) if text_call and call is not text_call and paths != [""] else {}
+    )
+    image_tokens = 0
+    if text_calls:
+        image_tokens = int((call["input_ids"] == imaging.image_token_id(model.config)).sum())
     batch, seq = call["input_ids"].shape
     captured = []
     for path in paths:
         module = model.get_submodule(path) if path else model
-        graph = export_module(module, path, recorded[path], batch, seq, position_offset)
+        graph = export_module(
+            module, path, recorded[path], batch, seq, position_offset, text_calls.get(path), image_tokens
+        )
         model = install(model, graph)
         captured.append(graph)
     return model, captured

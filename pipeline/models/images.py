@@ -17,8 +17,10 @@ image-token count:
   (mean = std = 0.5), done here: its image processor is torchvision-only.
   `<|image_start|><|image|>` + (S / patch)^2 * pixel_shuffle_ratio^2 `<|patch|>` + `<|image_end|>`
   (Llama4Processor's single-tile layout).
-Every other VLM (LLaVA, LLaVA-NeXT, Gemma 3, PaliGemma, Idefics3, InternVL, ...) needs no code
-here: its image processor class in transformers (PIL flavour) sized by the vision config, each
+Every other VLM (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Gemma 3, PaliGemma, Idefics3, SmolVLM,
+InternVL, Aya Vision, GLM-4V, ...) needs no code here: its image processor class in transformers
+(PIL flavour) sized by the vision config (one that merges patches, GLM-4V's, takes the config's
+patch and merge sizes and keeps its pixel budget), each
 image processed alone, every tensor it returns that the model's forward names passed on
 (`image_sizes`, `pixel_attention_mask`, ...), and the token count asked of the model
 (`get_image_features` on the meta-device skeleton, or, where the vision path reads data, which
@@ -187,10 +189,21 @@ def unsupported(config, processor=None, model=None) -> str | None:
         return None
     if processor is None and image_processor_class(config.model_type) is None:
         return (
-            f"model_type={config.model_type} has no image processor in transformers and the checkpoint none"
+            f"model_type={config.model_type} has no image processor in transformers and the checkpoint "
+            "none (a model.checkpoint folder with its preprocessor_config.json brings one)"
+        )
+    if processor is None and getattr(config, "vision_config", None) is None:
+        return (
+            f"model_type={config.model_type} takes images but has no vision_config to size them by "
+            "(a model.checkpoint folder with its preprocessor_config.json brings its image processor)"
         )
     if model is not None and not hasattr(model, "get_image_features"):
-        return f"{type(model).__name__} has no get_image_features to count an image's tokens"
+        # Mllama: one token per image; its cross-attention layers read the vision states, and the
+        # K/V made of them, at every step, which the paged runtime does not keep
+        return (
+            f"{type(model).__name__} has no get_image_features: its images do not become tokens of the "
+            "prompt (cross-attention over vision states), which this runtime does not run"
+        )
     return None
 
 
@@ -226,14 +239,28 @@ def _keys_of(size) -> list[str]:
     return [key for key in _SIZE_KEYS if get(key) is not None]
 
 
+# Patch settings a variable-resolution processor takes, each read from the vision config's
+_PATCH_KEYS = {
+    "patch_size": "patch_size",
+    "merge_size": "spatial_merge_size",
+    "temporal_patch_size": "temporal_patch_size",
+}
+
+
 def sized_processor(config):
-    """The family's image processor built with the vision config's image size: every size key its
-    defaults name (height and width, a shortest or longest edge, a center crop, a tile size) set
-    from it; the
-    processor's defaults where the config gives no size."""
+    """The family's image processor built with the vision config's sizes. A processor that merges
+    patches (GLM-4V's, variable resolution) resizes each image to multiples of patch * merge within
+    a pixel budget (its `size` edges are pixel counts): its patch, merge and temporal settings come
+    from the vision config, its budget stays. Any other has every size key its defaults name (height
+    and width, a shortest or longest edge, a center crop, a tile size) set from the vision config's
+    image size; the processor's defaults where the config gives no size."""
     processor_cls = image_processor_class(config.model_type)
-    hw = size_pair(getattr(config.vision_config, "image_size", None))
+    vision = config.vision_config
     defaults = processor_cls()
+    if getattr(defaults, "merge_size", None) is not None:
+        kwargs = {key: getattr(vision, name) for key, name in _PATCH_KEYS.items() if hasattr(vision, name)}
+        return processor_cls(**kwargs)
+    hw = size_pair(getattr(vision, "image_size", None))
     if hw is None:
         return defaults
     kwargs = {}
@@ -335,7 +362,9 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
 
 
 def default_image_size(config) -> int:
-    vision = config.vision_config
+    vision = getattr(config, "vision_config", None)
+    if vision is None:  # a checkpoint's image processor resizes it
+        return 224
     hw = size_pair(getattr(vision, "image_size", None))
     if hw is not None and rule_of(config) in (None, "Llama4ImageProcessor"):
         return max(hw)  # resized by the processor anyway
@@ -357,10 +386,7 @@ def preprocess(
     built from the vision config. model: one of the architecture (the meta-device one serves),
     which counts the tokens of a fixed-size family's images."""
     if reason := unsupported(config, processor, model):
-        raise ConfigError(
-            f"{reason}: its requests cannot carry images here; give text-only prompt.queries, or a "
-            "model.checkpoint folder with its preprocessor_config.json"
-        )
+        raise ConfigError(f"{reason}: its requests cannot carry images here; give text-only prompt.queries")
     rule = rule_of(config)
     batch = (
         PREPROCESS[rule](config, images, processor) if rule else _fixed_size(config, images, processor, model)

@@ -18,6 +18,7 @@ from pipeline.models.images import (
     synthetic_image,
     unsupported,
 )
+from pipeline.models.zoo import is_vlm
 
 TEXT_LEN = 11  # prompt tokens around the image; odd, so no weight dimension shares the size
 
@@ -80,7 +81,7 @@ def make_example_inputs(
     avoid = special_ids(config)
     text_ids = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator).to(device)
     text = with_token_types(config, {"input_ids": text_ids, "use_cache": False})
-    if getattr(config, "vision_config", None) is None:
+    if not is_vlm(config):
         return ExampleInputs(text, None)
     if reason := unsupported(config, processor, model):
         return ExampleInputs(text, None, f"{reason}: its requests and checks are text-only")

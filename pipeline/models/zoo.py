@@ -7,6 +7,7 @@ when given, supplies its own config.json instead of `hf_config`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,12 +62,15 @@ def _known_keys(config_cls: type, readers: str) -> set[str]:
     __init__ parameters, its attribute_map (both names), and any key the modeling code reads off a
     config (`config.head_dim`, `getattr(config, "head_dim", ...)`: Qwen3-MoE's head_dim, which the
     class keeps as a plain attribute), here or in the parent model's code (PaliGemma reads its vision
-    config's projection_dim)."""
+    config's projection_dim), and the generation settings generate takes from a model config."""
     import inspect
     import re
 
+    from transformers import GenerationConfig
+
     defaults = config_cls()
     known = set(defaults.to_dict()) | set(vars(defaults)) | {"model_type", "rope_scaling", "rope_theta"}
+    known |= set(GenerationConfig().to_dict())  # what generate reads off a model config (eos_token_id)
     for cls in config_cls.__mro__:
         if "__init__" in vars(cls):
             known |= set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
@@ -212,8 +216,31 @@ def text_config_of(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+# Forward parameters that carry images into a model (Fuyu embeds `image_patches` with one linear
+# layer and has no vision_config)
+IMAGE_INPUTS = ("pixel_values", "image_patches")
+
+
 def is_vlm(hf_config) -> bool:
-    return getattr(hf_config, "vision_config", None) is not None
+    """Whether the model takes images: the forward of the class transformers builds for this config
+    (image-text-to-text first, else causal LM) names an image input, whatever the config's shape;
+    a config neither maps, by its vision_config."""
+    takes = _takes_images(type(hf_config))
+    return getattr(hf_config, "vision_config", None) is not None if takes is None else takes
+
+
+@functools.cache
+def _takes_images(config_cls: type) -> bool | None:
+    import inspect
+
+    import transformers
+
+    for auto in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
+        if config_cls in auto._model_mapping:
+            model_cls = auto._model_mapping[config_cls]
+            model_cls = model_cls[0] if isinstance(model_cls, tuple | list) else model_cls
+            return any(name in inspect.signature(model_cls.forward).parameters for name in IMAGE_INPUTS)
+    return None
 
 
 def eos_ids(hf_config) -> set[int]:

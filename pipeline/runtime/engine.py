@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.config import RuntimeConfig
 from pipeline.devices import sync
 from pipeline.graphs import cached_graphs, find_graphs
+from pipeline.models import zoo
 from pipeline.runtime.host_memory import retain_freed_memory
 from pipeline.runtime.requests import Request
 from pipeline.runtime.runners import EagerRunner, PagedRunner, engine_span
@@ -106,7 +107,7 @@ class DemoLLM:
             raise ValueError("the captured graph has no cached attention, so demollm cannot decode with it")
         if len(graphs) > 1:
             raise ValueError(f"demollm drives one cached graph; this model has {len(graphs)}")
-        if graphs and graphs[0] is model and getattr(hf_config, "vision_config", None) is not None:
+        if graphs and graphs[0] is model and zoo.is_vlm(hf_config):
             raise ValueError(
                 "a full graph of a VLM takes image inputs in every call, so it cannot decode; use capture=partial"
             )

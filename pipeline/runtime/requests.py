@@ -21,7 +21,7 @@ from PIL import Image
 from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
 from pipeline.models import images as imaging
-from pipeline.models import masks
+from pipeline.models import masks, zoo
 from pipeline.models.inputs import random_ids, special_ids
 from pipeline.runtime import queries as query_forms
 
@@ -78,7 +78,7 @@ def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, d
     # A VLM's request carries an image, a given one or synthetic; where the family's images cannot
     # be prepared, preprocessing refuses the workload up front (check_workload) saying why, rather
     # than running it as text
-    if getattr(hf_config, "vision_config", None) is not None:
+    if zoo.is_vlm(hf_config):
         if prompt.images:
             image = imaging.load_image(prompt.images[seq_id % len(prompt.images)])
         else:

@@ -60,7 +60,7 @@ def run(state: RunState) -> StageResult:
         )
     try:
         model, state.captured = graph_capture.capture(
-            state.model, paths, capture_call, state.model_info.position_offset
+            state.model, paths, capture_call, state.model_info.position_offset, examples.text
         )
     except graph_capture.ExportFailed as failed:
         exc, path = failed.__cause__, failed.path
@@ -129,6 +129,7 @@ def _summary(state: RunState) -> dict:
                 "inputs": c.tensor_inputs,
                 "constants": c.constants,
                 "dropped_none": c.dropped,
+                "unread": c.unread,
                 "dynamic_dims": c.dynamic_dims,
                 "export_s": c.export_s,
                 "notes": c.notes,
