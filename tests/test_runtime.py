@@ -114,8 +114,9 @@ def test_vlm_text_only_requests(name):
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
 
 
-@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b", "tiny_paligemma", "tiny_gemma3"])
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b", *FAMILY_VLMS])
 def test_capture_none_runs_the_same_loop(name):
+    """The eager model in demollm's loop, on a batch where image and text requests mix."""
     engine, hf_config = _engine(name, capture="none")
     assert isinstance(engine.runner, EagerRunner)
     requests = _requests(hf_config, [9, 9, 9], images=zoo.is_vlm(hf_config))
