@@ -36,6 +36,10 @@ FAMILY_INPUTS = {
     "tiny_llava_onevision": ["inputs_embeds", "position_ids"],
     "tiny_glm4v": ["inputs_embeds", "position_ids"],
     "tiny_qwen3_vl": ["deepstack_visual_embeds", "inputs_embeds", "position_ids", "visual_pos_masks"],
+    "tiny_vipllava": ["inputs_embeds", "position_ids"],
+    "tiny_deepseek_vl": ["inputs_embeds", "position_ids"],
+    "tiny_paddleocr_vl": ["inputs_embeds", "position_ids"],
+    "tiny_got_ocr2": ["inputs_embeds", "position_ids"],
 }
 
 

@@ -39,7 +39,8 @@ def test_image_tokens_are_what_the_model_makes_of_the_image(name):
         assert tuple(batch.kwargs["pixel_values"].shape[-2:]) == side
     model, _, _ = build_tiny(name)
     with torch.no_grad():
-        features = model.get_image_features(**images.taken(model.get_image_features, batch.kwargs))
+        featurer = images.featurer(model)
+        features = featurer.get_image_features(**images.taken(featurer.get_image_features, batch.kwargs))
     features = getattr(features, "pooler_output", features)
     if isinstance(features, list | tuple):
         rows = sum(f.shape[0] for f in features)

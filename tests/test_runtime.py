@@ -10,6 +10,7 @@ from conftest import (
     TINY_MODELS,
     TINY_MOE,
     TINY_VLMS,
+    YAML_ONLY_VLMS,
     build_tiny,
     capture_tiny,
     compose_cfg,
@@ -94,7 +95,7 @@ def hf_inputs(hf_config, request: Request) -> dict:
     return inputs
 
 
-@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES + TINY_MOE)
+@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES + TINY_MOE + YAML_ONLY_VLMS)
 @pytest.mark.parametrize("lengths", [[13], [5, 9, 13, 40]], ids=["batch1", "batch4-mixed"])
 def test_greedy_tokens_equal_hf_generate(name, lengths):
     """Partly captured, transformed, cached model vs HF generate: the same tokens. The 40-token

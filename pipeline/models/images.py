@@ -197,7 +197,7 @@ def unsupported(config, processor=None, model=None) -> str | None:
             f"model_type={config.model_type} takes images but has no vision_config to size them by "
             "(a model.checkpoint folder with its preprocessor_config.json brings its image processor)"
         )
-    if model is not None and not hasattr(model, "get_image_features"):
+    if model is not None and featurer(model) is None:
         # Mllama: one token per image; its cross-attention layers read the vision states, and the
         # K/V made of them, at every step, which the paged runtime does not keep
         return (
@@ -293,11 +293,20 @@ def image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor], images
     ]
 
 
+def featurer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose get_image_features embeds images: the model's own, or its inner model's
+    (DeepSeek-VL's outer class has none); None where images become no prompt tokens."""
+    for module in (model, getattr(model, "model", None)):
+        if isinstance(module, torch.nn.Module) and hasattr(module, "get_image_features"):
+            return module
+    return None
+
+
 def _image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
-    call = taken(model.get_image_features, pixels)
+    call = taken(featurer(model).get_image_features, pixels)
     try:
         with torch.no_grad():
-            out = model.get_image_features(**{k: v.to("meta") for k, v in call.items()})
+            out = featurer(model).get_image_features(**{k: v.to("meta") for k, v in call.items()})
     except (NotImplementedError, RuntimeError):  # "Cannot copy out of meta tensor", meta kernels
         return _counted_for_real(model, call)
     return _counts(out)
@@ -321,7 +330,7 @@ def _counted_for_real(model: torch.nn.Module, call: dict[str, torch.Tensor]) -> 
     if model not in _COUNTERS:
         _COUNTERS[model] = _counter(model)
     with torch.no_grad():
-        return _counts(_COUNTERS[model].get_image_features(**{k: v.cpu() for k, v in call.items()}))
+        return _counts(featurer(_COUNTERS[model]).get_image_features(**{k: v.cpu() for k, v in call.items()}))
 
 
 def _counter(model: torch.nn.Module) -> torch.nn.Module:
