@@ -105,10 +105,9 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     The model folder, its tokenizer and image processor are read; the last checks run on the model
     built on the meta device (no memory)."""
     from pipeline.models import checkpoint, meta, zoo
-    from pipeline.models.images import checkpoint_image_processor
-    from pipeline.models.tokenizer import chat_template_of, has_tokenizer, load_tokenizer
+    from pipeline.models.tokenizer import chat_template_of, has_tokenizer
     from pipeline.runtime import queries
-    from pipeline.runtime.requests import Sources, check_images, check_workload
+    from pipeline.runtime.requests import check_images, check_workload, sources_of
     from pipeline.transforms import registry
 
     config = typed(cfg)
@@ -128,9 +127,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     check_images(config.prompt.images, hf_config)
     model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)
-    check_workload(
-        config, hf_config, Sources(load_tokenizer(folder), checkpoint_image_processor(folder), skeleton)
-    )
+    check_workload(config, hf_config, sources_of(folder, hf_config, skeleton))
     check_attention_options(config, hf_config, cuda_available)
     ranks.check_world(config, hf_config, runs_on_cuda(config, cuda_available), _multirun())
     meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)

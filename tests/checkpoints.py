@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 
 # A chat template that renders the seed's three message forms (string content, or text and image
 # parts) with the family's role and image markers; `add_generation_prompt` opens the reply.
@@ -61,6 +62,26 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<|image|>")
         + "<|eot|>{%- endfor %}{%- if add_generation_prompt %}<|header_start|>assistant<|header_end|>{%- endif %}",
     },
+    # Two families whose processors build offline (no video half): their tokens at ids below the tiny
+    # vocabulary, the chat template writing the token the processor expands
+    "got_ocr2": {
+        "specials": {"<|im_start|>": 3, "<|im_end|>": 4, "<img>": 498, "</img>": 499, "<imgpad>": 500},
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<imgpad>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "idefics3": {
+        "specials": {
+            "<end_of_utterance>": 3,
+            "<fake_token_around_image>": 497,
+            "<global-img>": 499,
+            "<image>": 500,
+            **{f"<row_{i}_col_{j}>": 420 + 6 * i + j for i in range(1, 7) for j in range(1, 7)},
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}{{ m['role'] }}: "
+        + _PARTS.replace("IMAGE", "<image>")
+        + "<end_of_utterance>{%- endfor %}{%- if add_generation_prompt %}assistant:{%- endif %}",
+    },
 }
 FAMILY_OF = {
     "mistral3": "mistral",
@@ -70,7 +91,12 @@ FAMILY_OF = {
     "llama4": "llama4",
     "mixtral": "mistral",
     "qwen3_moe": "qwen2_5_vl",
+    "got_ocr2": "got_ocr2",
+    "idefics3": "idefics3",
 }
+# The family processor's settings for the tiny configs, as its processor_config.json gives them
+# (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
+PROCESSOR_KWARGS = {"got_ocr2": {}, "idefics3": {"image_seq_len": 1}}
 WORDS = (
     "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "
     "please describe natural scenery you see following images what colour sky why water wet tell me about "
@@ -148,4 +174,15 @@ def save_checkpoint(
     tokenizer.save_pretrained(folder)
     if processor is not None:
         processor.save_pretrained(folder)
+    if config.model_type in PROCESSOR_KWARGS:
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        from pipeline.models.images import sized_processor
+
+        processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+        processor_cls(
+            image_processor=sized_processor(config),
+            tokenizer=tokenizer,
+            **PROCESSOR_KWARGS[config.model_type],
+        ).save_pretrained(folder)
     return folder

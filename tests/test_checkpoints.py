@@ -459,3 +459,64 @@ def _comparable(values) -> dict:
     skip = {"architectures", "dtype", "transformers_version", "_name_or_path"}
     values = values.to_diff_dict() if hasattr(values, "to_diff_dict") else values
     return {k: _comparable(v) if isinstance(v, dict) else v for k, v in values.items() if k not in skip}
+
+
+def _image_chat(photo: Path) -> list:
+    return [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "please describe the natural scenery you see in this image"},
+                    {"type": "image", "url": f"file://{photo}"},
+                ],
+            }
+        ]
+    ]
+
+
+def test_chat_images_are_laid_out_by_the_familys_processor(photo, tmp_path_factory, tmp_path):
+    """A folder with the family's processor (processor_config.json, tokenizer, image processor):
+    a chat-with-image query is what that processor makes of the template's text and the image
+    (Idefics3's `<fake_token_around_image><global-img>` around its tile tokens, which the model
+    cannot tell), and the tokens equal Hugging Face's processor + generate on the folder."""
+    name = "tiny_idefics3"
+    folder = save_checkpoint(build_tiny(name, seed=5)[0], tmp_path_factory.mktemp("processed") / name)
+    queries = _image_chat(photo)
+    overrides = ["model=hf", f"model.checkpoint={folder}", f"prompt.queries={hydra_value(queries)}"]
+    overrides += ["prompt.batch_size=1", "prompt.output_len=5"]
+    checked = check_config(compose_dict(overrides), cuda_available=False)
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    text = processor.apply_chat_template(queries[0], add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.open(photo).convert("RGB")], return_tensors="pt")
+    model = checked.model_cls.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=5, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    with staged(overrides, "transforms", tmp_path) as state:
+        assert state.sources.processor is not None
+        cfg = state.cfg
+        (request,) = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources
+        )
+        assert request.prompt == inputs["input_ids"][0].tolist()
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate([request], 5, SamplingParams(), seed=0).tokens
+    assert tokens[0] == want.tolist()
+
+
+def test_a_processor_that_disagrees_with_the_model_is_refused_up_front(photo, tmp_path_factory):
+    """GOT-OCR2's processor writes 256 image tokens per image (its published 1024-pixel images); the
+    tiny model makes one of its 64-pixel image: a chat-with-image query is a config error naming
+    the processor config, before anything loads."""
+    folder = save_checkpoint(build_tiny("tiny_got_ocr2")[0], tmp_path_factory.mktemp("got") / "got")
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={folder}",
+        f"prompt.queries={hydra_value(_image_chat(photo))}",
+    ]
+    with pytest.raises(ConfigError, match="wrote 256 image tokens.*makes 1.*processor_config.json"):
+        check_config(compose_dict(overrides), cuda_available=False)

@@ -41,6 +41,8 @@ def random_ids(shape: tuple[int, ...], vocab: int, avoid: set[int], generator) -
 
 
 def special_ids(config) -> set[int]:
+    """Ids a synthetic prompt leaves out: the image markers, and the text model's padding, begin and
+    end tokens (Hugging Face's generate takes a pad id inside a prompt for padding and masks it)."""
     names = (
         "image_token_index",
         "image_token_id",
@@ -50,7 +52,12 @@ def special_ids(config) -> set[int]:
         "boi_token_index",
         "eoi_token_index",
     )
-    return {getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)}
+    found = {getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)}
+    text_config = getattr(config, "text_config", None) or config
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text_config, name, None)
+        found |= {value} if isinstance(value, int) else set(value or ())
+    return found
 
 
 def with_token_types(config, call: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from pipeline.errors import ConfigError
 from pipeline.models import images as imaging
 from pipeline.models import masks, zoo
 from pipeline.models.inputs import random_ids, special_ids
+from pipeline.models.processor import load_processor, processed
+from pipeline.models.tokenizer import load_tokenizer
 from pipeline.runtime import queries as query_forms
 
 
@@ -56,6 +58,15 @@ class Sources:
     tokenizer: object | None = None
     image_processor: object | None = None
     skeleton: torch.nn.Module | None = None
+    processor: object | None = None  # the family's processor (models/processor.py), where it builds
+
+
+def sources_of(checkpoint: str | None, hf_config, skeleton: torch.nn.Module) -> Sources:
+    """The sources a checkpoint folder gives (none without one), and the skeleton."""
+    tokenizer = load_tokenizer(checkpoint)
+    image_processor = imaging.checkpoint_image_processor(checkpoint)
+    processor = load_processor(checkpoint, hf_config.model_type, tokenizer, image_processor)
+    return Sources(tokenizer, image_processor, skeleton, processor)
 
 
 def with_mask_spans(hf_config, request: Request) -> Request:
@@ -112,6 +123,12 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not query.images:
         return with_mask_spans(hf_config, Request(seq_id, ids))
+    images = [imaging.load_image(str(p)) for p in query.images]
+    if sources.processor is not None:
+        prompt, pixels, spans = processed(
+            sources.processor, hf_config, text, images, sources.skeleton, dtype, device
+        )
+        return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans))
     placeholder = imaging.chat_placeholder(hf_config, tokenizer)
     where = [i for i, token in enumerate(ids) if token == placeholder]
     if len(where) != len(query.images):
@@ -119,7 +136,6 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
             f"the chat template wrote {len(where)} image tokens for {len(query.images)} image parts; "
             "check the checkpoint's chat template"
         )
-    images = [imaging.load_image(str(p)) for p in query.images]
     batch = imaging.preprocess(hf_config, images, dtype, device, sources.image_processor, sources.skeleton)
     prompt: list[int] = []
     spans: list[tuple[int, int]] = []

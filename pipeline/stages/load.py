@@ -9,12 +9,10 @@ from torch import nn
 from pipeline.graphs import find_language_models
 from pipeline.models import build, checkpoint, meta, probe, zoo
 from pipeline.models.deferred import DeferredWeights
-from pipeline.models.images import checkpoint_image_processor
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_bytes, human_count
-from pipeline.models.tokenizer import load_tokenizer
 from pipeline.parallel import tensor_parallel
-from pipeline.runtime.requests import Sources
+from pipeline.runtime.requests import sources_of
 from pipeline.state import ModelInfo, RunState, StageResult
 
 EXAMPLE_BATCH = 2  # export needs a batch > 1 to keep the batch dim dynamic
@@ -77,9 +75,7 @@ def run(state: RunState) -> StageResult:
             f"runtime.tp_weights=shard: {human_bytes(report.bytes)} of the whole {human_bytes(whole)} allocated; "
             "the linears the shard transform splits get only this rank's slice"
         )
-    state.sources = Sources(
-        load_tokenizer(model_cfg.checkpoint), checkpoint_image_processor(model_cfg.checkpoint), skeleton
-    )
+    state.sources = sources_of(model_cfg.checkpoint, state.hf_config, skeleton)
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
         params=report.params,
