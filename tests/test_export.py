@@ -178,13 +178,14 @@ def test_a_kwarg_the_module_does_not_read_is_not_baked_in():
     no head: export leaves it out, and generation's tensor form of it (the rows a packed step
     keeps) reaches the graph as well as the int the export saw. A kwarg the module reads stays a
     constant the call must match."""
-    from transformers import LlamaForCausalLM, LlamaModel
-
-    assert graph_capture.reads(LlamaForCausalLM.__new__(LlamaForCausalLM), "logits_to_keep")
-    stack = LlamaModel.__new__(LlamaModel)
+    text_model = build_tiny("tiny_llama3_1_8b")[0]
+    assert graph_capture.reads(text_model, "logits_to_keep")
+    stack = text_model.model
     assert graph_capture.reads(stack, "output_attentions") and not graph_capture.reads(
         stack, "logits_to_keep"
     )
+    # LLaVA's forward takes use_cache only in its **kwargs, which its language model names
+    assert graph_capture.reads(build_tiny("tiny_llava")[0], "use_cache")
     model, hf_config, examples = build_tiny("tiny_llava_onevision")
     reference = _logits(model, examples.text)
     model, captured = capture_tiny(model, hf_config, examples)

@@ -51,6 +51,29 @@ def test_image_tokens_are_what_the_model_makes_of_the_image(name):
     assert placeholder.count(images.image_token_id(hf_config)) == rows
 
 
+def test_each_hand_written_rule_gives_what_the_generic_path_cannot():
+    """The three image rules in models/images.PREPROCESS stay because the generic path (the
+    family's image processor sized by the config, the count from the model) gives other inputs:
+    Pixtral's processor keeps its own 16-pixel patch, not the config's patch * merge step (other
+    pixel sizes); Qwen2-VL's leaves out the vision start and end tokens its processor's chat
+    template writes around each image; Llama-4's image processor needs torchvision."""
+    image = images.synthetic_image(56, torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    hf_config, skeleton = _skeleton("tiny_mistral3")
+    ruled = images.preprocess(hf_config, [image], torch.float32, cpu, None, skeleton)
+    generic = images._fixed_size(hf_config, [image], None, skeleton)
+    step = hf_config.vision_config.patch_size * hf_config.spatial_merge_size
+    assert ruled.kwargs["pixel_values"].shape[-1] % step == 0
+    assert generic.kwargs["pixel_values"].shape[-1] % step != 0
+
+    hf_config, skeleton = _skeleton("tiny_qwen2_5_vl")
+    ruled = images.preprocess(hf_config, [image], torch.float32, cpu, None, skeleton)
+    generic = images._fixed_size(hf_config, [image], None, skeleton)
+    assert ruled.prefix == [hf_config.vision_start_token_id] and generic.prefix == []
+
+    assert images.image_processor_class("llama4") is None
+
+
 def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(monkeypatch):
     """Its checks are text-only (said so), and a workload whose requests carry images is refused
     naming why and what to give instead, never run as text."""

@@ -156,11 +156,17 @@ def default_position_ids(config, tokens: torch.Tensor, offset: int = 0) -> torch
 
 
 def reads(module: nn.Module, name: str) -> bool:
-    """Whether the module's forward can read a kwarg: one it names, or one its typed catch-all
-    (`**kwargs: Unpack[TransformersKwargs]`) lists. A name neither lists reaches no code of the
-    module (a VLM passes the head's `logits_to_keep` down to its decoder stack, which has no head):
-    it is not baked into the graph, and a call may pass any value of it."""
-    parameters = inspect.signature(module.forward).parameters
+    """Whether the module's forward can read a kwarg: it or one of its submodules (where HF passes
+    `**kwargs` down) names it, or lists it in a typed catch-all (`**kwargs: Unpack[...Kwargs]`). A
+    name no forward inside lists reaches no code of the module (a VLM passes the head's
+    `logits_to_keep` down to its decoder stack, which has no head): it is not baked into the graph,
+    and a call may pass any value of it."""
+    return any(_forward_reads(type(m), name) for m in module.modules())
+
+
+@functools.cache
+def _forward_reads(module_cls: type, name: str) -> bool:
+    parameters = inspect.signature(module_cls.forward).parameters
     if name in parameters and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD:
         return True
     catch_all = next((p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)

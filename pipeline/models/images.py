@@ -145,8 +145,8 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
 
 # Image processors whose image size (and so token count) follows the image: their rules, written
 # here since the processors need torchvision, keyed by the processor a model type maps to in
-# transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one). Every other VLM goes
-# through `_fixed_size`.
+# transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one); each gives inputs the
+# generic path does not (tests/test_images.py shows how). Every other VLM goes through `_fixed_size`.
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
     "PixtralImageProcessor": _mistral3,
     "Qwen2VLImageProcessor": _qwen2_5_vl,
