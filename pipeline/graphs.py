@@ -136,13 +136,14 @@ def cached_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
 
 
 def _decoder_stack(module: nn.Module, text_config) -> bool:
-    """A `layers` ModuleList of the text config's depth beside an input embedding of its vocabulary."""
+    """A `layers` ModuleList of the text config's depth beside an input embedding of its vocabulary
+    (or more: Mllama's text model embeds 8 image tokens past it)."""
     layers, embedding = getattr(module, "layers", None), getattr(module, "embed_tokens", None)
     return (
         isinstance(layers, nn.ModuleList)
         and len(layers) == text_config.num_hidden_layers
         and isinstance(embedding, nn.Embedding)
-        and embedding.num_embeddings == text_config.vocab_size
+        and embedding.num_embeddings >= text_config.vocab_size
     )
 
 

@@ -124,7 +124,7 @@ def capture_tiny(model, hf_config, examples, paths: list[str] | None = None):
     model), from the image call where there is one, positions counted as the model counts them."""
     lm_paths = find_language_models(model, zoo.text_config_of(hf_config))
     if paths is None:
-        paths = lm_paths if examples.image else [""]
+        paths = lm_paths if zoo.is_vlm(hf_config) else [""]
     offset = probe.first_position(
         model, lm_paths[0] if len(lm_paths) == 1 else "", examples.text["input_ids"][:1, :2]
     )

@@ -108,8 +108,9 @@ def test_greedy_tokens_equal_hf_generate(name, lengths):
     assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages - 1  # all back (but scratch)
 
 
-@pytest.mark.parametrize("name", TINY_VLMS + FAMILY_VLMS)
+@pytest.mark.parametrize("name", [*TINY_VLMS, *FAMILY_VLMS, "tiny_mllama"])
 def test_vlm_text_only_requests(name):
+    """Mllama's text requests too (its cross-attention layers skipped, as without images in HF)."""
     engine, hf_config = _engine(name)
     requests = _requests(hf_config, [6, 11], images=False)
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)

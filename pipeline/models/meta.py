@@ -48,6 +48,6 @@ def check_language_model(model: nn.Module, text_config) -> None:
     what = "no language model" if not found else f"{len(found)} language models ({', '.join(found)})"
     raise ConfigError(
         f"capture=partial found {what} in {type(model).__name__} (a module with {text_config.num_hidden_layers} "
-        f"`layers` and a {text_config.vocab_size}-token embedding); candidates: "
+        f"`layers` and an embedding of at least {text_config.vocab_size} tokens); candidates: "
         f"{'; '.join(stack_candidates(model)) or 'none'}; name one with capture.submodules=[path]"
     )
