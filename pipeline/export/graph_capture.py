@@ -106,7 +106,7 @@ class CapturedGraph:
     constants: dict[str, Any]  # baked into the graph; a call must pass the same values or none
     dropped: list[str]  # None-valued kwargs of the recorded call
     unread: list[str]  # constants the forward does not read (`reads`): left out of the graph
-    dynamic_dims: dict[str, dict[int, str]]  # input name -> {dim: "batch" | "seq"}
+    dynamic_dims: dict[str, dict[int, str]]  # input name -> {dim: "batch" | "seq" | "image_tokens"}
     range_constraints: dict[str, str]
     export_s: float
     exported_nodes: int = 0  # the graph's nodes as export produced it (the transforms change the graph)
@@ -338,7 +338,7 @@ def export_module(
             dict(constants),
             position_offset=position_offset,
             unused_inputs=unread,
-            vision_inputs=_vision_inputs(module, path, tensors, dims, vision, text_call, constants),
+            vision_inputs=_vision_inputs(module, path, tensors, dims, vision, text_call),
             original=module,
         ),
     )
@@ -354,7 +354,6 @@ def _vision_inputs(
     dims: dict[str, dict[int, str]],
     vision: dict[str, int],
     text_call: RecordedCall | None,
-    constants: dict[str, Any],
 ) -> dict[str, VisionInput]:
     """The empty form of each vision input, checked on the eager module with the text-only call:
     the same output with the empty inputs as with None. A module where no image tokens is not the
@@ -378,7 +377,7 @@ def _vision_inputs(
     with torch.no_grad():
         without = module(**call)
         empty = module(**call, **{n: v.empty(tokens) for n, v in out.items()})
-    if not torch.equal(first_tensor_of(without), first_tensor_of(empty)):
+    if not torch.equal(_first_tensor_of(without), _first_tensor_of(empty)):
         raise ExportError(
             f"graph '{path or 'root'}' takes {sorted(vision)} only from an image call, and empty ones "
             "(no image tokens) do not compute what a text call without them does; capture=none runs "
@@ -387,7 +386,7 @@ def _vision_inputs(
     return out
 
 
-def first_tensor_of(output: Any) -> torch.Tensor:
+def _first_tensor_of(output: Any) -> torch.Tensor:
     """A module's main output: the tensor, or the first tensor of its output object or tuple."""
     return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
