@@ -39,12 +39,15 @@ class VisionInput:
     form instead, no image tokens, which export checked does what None does."""
 
     structure: Any  # the pytree spec of the value (a tensor, or a list of them)
-    # per leaf: its shape, each dim a size or "batch" / "seq" (the call's) or "image_tokens" (0)
+    # per leaf: its shape, each dim a size or "batch" / "seq" (the call's) or "image_tokens"
     leaves: list[tuple[tuple[int | str, ...], torch.dtype]]
+    # image tokens of the empty form: 0, or for cross-attention states the zero states, which add
+    # nothing (models/cross_attention.py: a graph that infers a view's size from them needs some)
+    empty_tokens: int = 0
 
     def empty(self, tokens: torch.Tensor) -> Any:
         """tokens: the call's input_ids [B, S] or inputs_embeds [B, S, H]."""
-        sizes = {"batch": tokens.shape[0], "seq": tokens.shape[1], "image_tokens": 0}
+        sizes = {"batch": tokens.shape[0], "seq": tokens.shape[1], "image_tokens": self.empty_tokens}
         leaves = [
             torch.zeros([sizes.get(d, d) for d in shape], dtype=dtype, device=tokens.device)
             for shape, dtype in self.leaves

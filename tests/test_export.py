@@ -40,10 +40,18 @@ FAMILY_INPUTS = {
     "tiny_deepseek_vl": ["inputs_embeds", "position_ids"],
     "tiny_paddleocr_vl": ["inputs_embeds", "position_ids"],
     "tiny_got_ocr2": ["inputs_embeds", "position_ids"],
+    # the vision states, the tiles each token attends and the rows that attend any, from an image call
+    "tiny_mllama": [
+        "cross_attention_mask",
+        "cross_attention_states",
+        "full_text_row_masked_out_mask",
+        "input_ids",
+        "position_ids",
+    ],
 }
 
 
-@pytest.mark.parametrize("name", FAMILY_VLMS)
+@pytest.mark.parametrize("name", [*FAMILY_VLMS, "tiny_mllama"])
 def test_other_vlm_families_capture_their_language_model(name):
     """Gemma 3's mask mapping (a dict of tensors) becomes graph inputs through the pytree; the
     partly captured model computes what eager computed, with and without an image, and PaliGemma

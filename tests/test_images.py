@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILY_VLMS, build_tiny, compose_cfg, run_pipeline
+from conftest import FAMILY_VLMS, build_tiny, compose_cfg
 
 from pipeline.errors import ConfigError
 from pipeline.models import images, meta, zoo
@@ -106,13 +106,31 @@ def test_whether_a_model_takes_images_comes_from_its_class():
     assert "no vision_config" in images.unsupported(FuyuConfig())
 
 
-def test_a_cross_attention_vlm_is_refused_up_front(tmp_path):
-    """Mllama's images are no prompt tokens: its cross-attention layers read the vision states at
-    every step. An image workload exits 2 before loading anything, saying so, not run as text."""
-    proc = run_pipeline(["model=tiny_mllama", "tracking.enabled=false"], tmp_path, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "cross-attention" in proc.stderr and "prompt.queries" in proc.stderr
-    assert not (tmp_path / "run" / "load").exists()
+def test_images_reach_the_language_model_by_features_or_by_cross_attention():
+    """A VLM's images become prompt tokens (get_image_features) or cross-attended vision states
+    (a forward taking cross_attention_states, Mllama's); a model with neither is refused for image
+    requests, saying so. Mllama's tiles are cut to the vision tower's max_num_tiles, one token each
+    image."""
+    from transformers import LlavaConfig, MllamaConfig
+
+    assert zoo.takes_vision_states(MllamaConfig()) and not zoo.takes_vision_states(LlavaConfig())
+
+    class Opaque(torch.nn.Module):
+        def forward(self, input_ids, pixel_values=None):
+            return input_ids
+
+    assert "no get_image_features and takes no cross_attention_states" in images.unsupported(
+        LlavaConfig(), model=Opaque()
+    )
+    hf_config, skeleton = _skeleton("tiny_mllama")
+    assert images.unsupported(hf_config, model=skeleton) is None
+    batch = images.preprocess(
+        hf_config, [images.synthetic_image(60, torch.Generator().manual_seed(0))], torch.float32,
+        torch.device("cpu"), None, skeleton,
+    )  # fmt: skip
+    tiles = hf_config.vision_config.max_num_tiles
+    assert batch.kwargs["pixel_values"].shape[:3] == (1, 1, tiles) and batch.tokens_per_image == [1]
+    assert batch.kwargs["aspect_ratio_mask"].shape == (1, 1, tiles)
 
 
 def test_image_sizes_are_read_whatever_shape_the_config_gives():

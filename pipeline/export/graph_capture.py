@@ -29,6 +29,7 @@ from torch.fx.experimental import _config as shape_config
 from torch.utils import _pytree as pytree
 
 from pipeline.graphs import GraphRecord, VisionInput, first_tensor, record_of, set_record
+from pipeline.models import cross_attention
 from pipeline.models import images as imaging
 from pipeline.models.probe import first_calls
 
@@ -361,6 +362,7 @@ def _vision_inputs(
     if not vision:
         return {}
     out = {}
+    empty_tokens = cross_attention.ZERO_STATES if cross_attention.STATES in vision else 0
     for name in vision:
         leaves, structure = pytree.tree_flatten_with_path(tensors[name])
         shapes = []
@@ -371,7 +373,7 @@ def _vision_inputs(
                 else dims[f"{name}_{_key_name(key_path)}"]
             )
             shapes.append((tuple(marks.get(i, size) for i, size in enumerate(leaf.shape)), leaf.dtype))
-        out[name] = VisionInput(pytree.tree_structure(tensors[name]), shapes)
+        out[name] = VisionInput(pytree.tree_structure(tensors[name]), shapes, empty_tokens)
     call = {k: v for k, v in text_call.kwargs.items() if k not in vision}
     tokens = first_tensor(call)
     with torch.no_grad():
@@ -422,6 +424,8 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
                 adapted[name] = default_position_ids(
                     signature_owner.config, first_tensor(call), record.position_offset
                 )
+            elif name == cross_attention.STATES and value is not None and name in inputs:
+                adapted[name] = cross_attention.graph_states(value, first_tensor(call).shape[0])
             elif name in inputs and value is None and name in record.vision_inputs:
                 adapted[name] = record.vision_inputs[name].empty(first_tensor(call))
             elif name in inputs:
@@ -506,10 +510,15 @@ def capture(
     text_calls = (
         record_calls(model, paths, text_call) if text_call and call is not text_call and paths != [""] else {}
     )
+    batch, seq = call["input_ids"].shape
     image_tokens = 0
     if text_calls:
         image_tokens = int((call["input_ids"] == imaging.image_token_id(model.config)).sum())
-    batch, seq = call["input_ids"].shape
+    for recorded_call in recorded.values():
+        states = recorded_call.kwargs.get(cross_attention.STATES)
+        if states is not None:  # vision states, the image-token dim of a cross-attention family's
+            recorded_call.kwargs[cross_attention.STATES] = cross_attention.graph_states(states, batch)
+            image_tokens = recorded_call.kwargs[cross_attention.STATES].shape[1]
     captured = []
     for path in paths:
         module = model.get_submodule(path) if path else model

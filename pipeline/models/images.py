@@ -25,7 +25,8 @@ image processed alone, every tensor it returns that the model's forward names pa
 (`image_sizes`, `pixel_attention_mask`, ...), and the token count asked of the model
 (`get_image_features` on the meta-device skeleton, or, where the vision path reads data, which
 meta tensors cannot serve, on a copy whose vision parts get memory); `[boi] image*n [eoi]` where
-the config has begin/end-of-image ids. A family whose images cannot be prepared (`unsupported`)
+the config has begin/end-of-image ids. A family whose language model cross-attends the vision
+states (Mllama) has one image token per image (models/cross_attention.py). A family whose images cannot be prepared (`unsupported`)
 is refused up front for an image request.
 Nothing is fetched: a URL is refused.
 """
@@ -44,6 +45,7 @@ import torch
 from PIL import Image
 
 from pipeline.errors import ConfigError
+from pipeline.models import cross_attention
 
 
 @dataclass
@@ -197,12 +199,10 @@ def unsupported(config, processor=None, model=None) -> str | None:
             f"model_type={config.model_type} takes images but has no vision_config to size them by "
             "(a model.checkpoint folder with its preprocessor_config.json brings its image processor)"
         )
-    if model is not None and featurer(model) is None:
-        # Mllama: one token per image; its cross-attention layers read the vision states, and the
-        # K/V made of them, at every step, which the paged runtime does not keep
+    if model is not None and featurer(model) is None and not cross_attention.takes_vision_states(model):
         return (
-            f"{type(model).__name__} has no get_image_features: its images do not become tokens of the "
-            "prompt (cross-attention over vision states), which this runtime does not run"
+            f"{type(model).__name__} has no get_image_features and takes no cross_attention_states: "
+            "how its images reach the language model is not known here"
         )
     return None
 
@@ -247,11 +247,16 @@ _PATCH_KEYS = {
 }
 
 
+# Tile settings a tiling processor takes, each read from the vision config's
+_TILE_KEYS = {"max_image_tiles": "max_num_tiles"}
+
+
 def sized_processor(config):
     """The family's image processor built with the vision config's sizes. A processor that merges
     patches (GLM-4V's, variable resolution) resizes each image to multiples of patch * merge within
     a pixel budget (its `size` edges are pixel counts): its patch, merge and temporal settings come
-    from the vision config, its budget stays. Any other has every size key its defaults name (height
+    from the vision config, its budget stays. A tiling one cuts at most the vision config's tiles.
+    Any other has every size key its defaults name (height
     and width, a shortest or longest edge, a center crop, a tile size) set from the vision config's
     image size; the processor's defaults where the config gives no size."""
     processor_cls = image_processor_class(config.model_type)
@@ -260,10 +265,12 @@ def sized_processor(config):
     if getattr(defaults, "merge_size", None) is not None:
         kwargs = {key: getattr(vision, name) for key, name in _PATCH_KEYS.items() if hasattr(vision, name)}
         return processor_cls(**kwargs)
+    # a tiling processor cuts at most as many tiles as the vision tower embeds (Mllama's)
+    kwargs = {key: getattr(vision, name) for key, name in _TILE_KEYS.items() if hasattr(defaults, key)}
+    kwargs = {key: value for key, value in kwargs.items() if value is not None}
     hw = size_pair(getattr(vision, "image_size", None))
     if hw is None:
-        return defaults
-    kwargs = {}
+        return processor_cls(**kwargs) if kwargs else defaults
     for name in ("size", "crop_size", "max_image_size"):
         if keys := _keys_of(getattr(defaults, name, None)):
             kwargs[name] = {key: _SIZE_KEYS[key](*hw) for key in keys}
@@ -364,7 +371,9 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
     outs = [processor(images=[image], return_tensors="pt") for image in images]
     tensors = concat_pixels([{k: v for k, v in out.items() if isinstance(v, torch.Tensor)} for out in outs])
     pixels = taken(model.forward, tensors)
-    counts = image_tokens(model, pixels, len(images))
+    # a cross-attention family's prompt holds one token per image (models/cross_attention.py)
+    cross = cross_attention.takes_vision_states(model)
+    counts = [1] * len(images) if cross else image_tokens(model, pixels, len(images))
     prefix = [config.boi_token_index] if isinstance(getattr(config, "boi_token_index", None), int) else []
     suffix = [config.eoi_token_index] if isinstance(getattr(config, "eoi_token_index", None), int) else []
     return ImageBatch(pixels, counts, prefix, suffix, [(1, n) for n in counts])

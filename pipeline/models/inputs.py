@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline.models import masks
+from pipeline.models import cross_attention, masks
 from pipeline.models.images import (
     IMAGES_FIRST,
     default_image_size,
@@ -21,6 +21,13 @@ from pipeline.models.images import (
 from pipeline.models.zoo import is_vlm
 
 TEXT_LEN = 11  # prompt tokens around the image; odd, so no weight dimension shares the size
+
+
+def cross_attention_rows(config, prompt: list[int], pixels: dict[str, torch.Tensor], row: int = 0):
+    """[P, images, tiles]: which tiles each token of a prompt attends, for a family whose language
+    model cross-attends the vision states; pixels: its images, one sequence per `row`."""
+    tiles, max_tiles = cross_attention.tile_counts({k: v[row : row + 1] for k, v in pixels.items()})
+    return cross_attention.token_mask(config.model_type, prompt, image_token_id(config), tiles, max_tiles)
 
 
 @dataclass
@@ -102,6 +109,10 @@ def make_example_inputs(
     image_part = torch.tensor([images.placeholder(image_token_id(config), i) for i in range(batch)])
     ids = torch.cat([body[:, :half], image_part, body[:, half:]], dim=1).to(device)
     call = with_token_types(config, {"input_ids": ids, **images.kwargs, "use_cache": False})
+    if model is not None and cross_attention.takes_vision_states(model):
+        call[cross_attention.MASK] = torch.stack(
+            [cross_attention_rows(config, row, images.kwargs, i) for i, row in enumerate(ids.tolist())]
+        ).to(device)  # [B, S, 1, tiles]: the tiles each token attends
     if model is not None and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         # what the family's processor returns beside the ids (1 marks an image token): Qwen2-VL's
         # model refuses image grids without it, Qwen2.5-VL's would count plain positions

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError
+from pipeline.models import cross_attention
 from pipeline.models import images as imaging
 
 log = logging.getLogger(__name__)
 
 # What a processor returns beside the pixels that the runtime makes itself: the ids, and the masks
 # and token types it derives from them (models/masks.py, runtime/positions.py)
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
 
 def load_processor(checkpoint: str | None, model_type: str, tokenizer, image_processor):
@@ -61,7 +62,10 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     ids = out["input_ids"][0].tolist()
     tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
     pixels = imaging.taken(skeleton.forward, tensors)
-    counts = imaging.image_tokens(skeleton, pixels, len(images))
+    if cross_attention.takes_vision_states(skeleton):  # one token per image, cross-attended
+        counts = [1] * len(images)
+    else:
+        counts = imaging.image_tokens(skeleton, pixels, len(images))
     token = imaging.image_token_id(hf_config)
     where = [i for i, t in enumerate(ids) if t == token]
     if len(where) != sum(counts):

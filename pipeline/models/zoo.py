@@ -8,6 +8,7 @@ when given, supplies its own config.json instead of `hf_config`.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -225,21 +226,29 @@ def is_vlm(hf_config) -> bool:
     """Whether the model takes images: the forward of the class transformers builds for this config
     (image-text-to-text first, else causal LM) names an image input, whatever the config's shape;
     a config neither maps, by its vision_config."""
-    takes = _takes_images(type(hf_config))
-    return getattr(hf_config, "vision_config", None) is not None if takes is None else takes
+    model_cls = _model_class(type(hf_config))
+    if model_cls is None:
+        return getattr(hf_config, "vision_config", None) is not None
+    return any(name in inspect.signature(model_cls.forward).parameters for name in IMAGE_INPUTS)
+
+
+def takes_vision_states(hf_config) -> bool:
+    """Whether images reach the language model through cross-attention (models/cross_attention.py)."""
+    from pipeline.models import cross_attention
+
+    model_cls = _model_class(type(hf_config))
+    return model_cls is not None and cross_attention.takes_vision_states(model_cls)
 
 
 @functools.cache
-def _takes_images(config_cls: type) -> bool | None:
-    import inspect
-
+def _model_class(config_cls: type) -> type | None:
+    """The class transformers builds for a config class: image-text-to-text first, else causal LM."""
     import transformers
 
     for auto in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
         if config_cls in auto._model_mapping:
             model_cls = auto._model_mapping[config_cls]
-            model_cls = model_cls[0] if isinstance(model_cls, tuple | list) else model_cls
-            return any(name in inspect.signature(model_cls.forward).parameters for name in IMAGE_INPUTS)
+            return model_cls[0] if isinstance(model_cls, tuple | list) else model_cls
     return None
 
 

@@ -10,7 +10,8 @@ graph inputs only it read); what it meant goes to the op: the layer's sliding wi
 chunk (Llama-4's chunked layers) from the text config's `layer_types`, the logit cap from the
 matched attention, and, for a family whose prompt spans attend both ways (models/masks.py), a
 `token_block` input [T, 2] the runtime fills from each request. In a full graph of a VLM only the language model's
-attention (under the record's `language_model_prefix`, set at export) gets a cache. The graph's
+attention (under the record's `language_model_prefix`, set at export) gets a cache, and no
+cross-attention (keys from vision states, not from the tokens: models/cross_attention.py). The graph's
 record then carries `cache_specs` (what to allocate) and a `runtime_inputs` provider the kwargs
 adapter calls for those inputs: by default a fresh cache per call (each call is a prefill of new
 sequences, so a plain forward still works and is checked against eager; its blocks are read from
@@ -50,6 +51,18 @@ def _module_path(node: fx.Node) -> str:
 def _layer_index(node: fx.Node) -> int | None:
     match = _LAYER.search(_module_path(node) + ".")
     return int(match.group(1)) if match else None
+
+
+def _from_tokens(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes computed from the call's tokens (input_ids or inputs_embeds), in one pass."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.target in ("input_ids", "inputs_embeds"):
+                found.add(node)
+        elif any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def _in_language_model(node: fx.Node, prefix: str) -> bool:
@@ -152,8 +165,15 @@ class InsertCachedAttention(Transform):
 
     @staticmethod
     def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+        """The language model's self-attention: cross-attention, whose keys come from the vision
+        states the call brings and not from the tokens, keeps no cache and stays as it is."""
         prefix = record_of(gm).language_model_prefix
-        return [n for n in gm.graph.nodes if is_op(n, ATTENTION) and _in_language_model(n, prefix)]
+        from_tokens = _from_tokens(gm)
+        return [
+            n
+            for n in gm.graph.nodes
+            if is_op(n, ATTENTION) and _in_language_model(n, prefix) and n.args[1] in from_tokens
+        ]
 
     def unmatched(self, gm: fx.GraphModule) -> list[str]:
         if record_of(gm).has_cache or self._attention_nodes(gm):
