@@ -62,7 +62,7 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<|image|>")
         + "<|eot|>{%- endfor %}{%- if add_generation_prompt %}<|header_start|>assistant<|header_end|>{%- endif %}",
     },
-    # Two families whose processors build offline (no video half): their tokens at ids below the tiny
+    # Families whose processors build offline (no video half): their tokens at ids below the tiny
     # vocabulary, the chat template writing the token the processor expands
     "got_ocr2": {
         "specials": {"<|im_start|>": 3, "<|im_end|>": 4, "<img>": 498, "</img>": 499, "<imgpad>": 500},
@@ -82,6 +82,12 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<image>")
         + "<end_of_utterance>{%- endfor %}{%- if add_generation_prompt %}assistant:{%- endif %}",
     },
+    "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
+        "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
+        "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+        + _PARTS.replace("IMAGE", "<|image|>")
+        + "<|eot_id|>{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{%- endif %}",
+    },
 }
 FAMILY_OF = {
     "mistral3": "mistral",
@@ -93,10 +99,11 @@ FAMILY_OF = {
     "qwen3_moe": "qwen2_5_vl",
     "got_ocr2": "got_ocr2",
     "idefics3": "idefics3",
+    "mllama": "mllama",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
-PROCESSOR_KWARGS = {"got_ocr2": {}, "idefics3": {"image_seq_len": 1}}
+PROCESSOR_KWARGS = {"got_ocr2": {}, "idefics3": {"image_seq_len": 1}, "mllama": {}}
 WORDS = (
     "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "
     "please describe natural scenery you see following images what colour sky why water wet tell me about "

@@ -425,11 +425,11 @@ def family_folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     return {
         name: save_checkpoint(build_tiny(name, seed=3)[0], root / name, shard="50MB", tokenizer=False)
-        for name in TINY_FAMILIES + YAML_ONLY_VLMS
+        for name in [*TINY_FAMILIES, *YAML_ONLY_VLMS, "tiny_mllama"]
     }
 
 
-@pytest.mark.parametrize("name", TINY_FAMILIES + YAML_ONLY_VLMS)
+@pytest.mark.parametrize("name", [*TINY_FAMILIES, *YAML_ONLY_VLMS, "tiny_mllama"])
 def test_each_family_loads_from_its_published_config(name, family_folders, tmp_path):
     """`model=hf model.checkpoint=<folder>`: the config read back from config.json is the YAML's,
     and the pipeline's partly captured model generates, for the synthetic workload (an image in
@@ -475,12 +475,13 @@ def _image_chat(photo: Path) -> list:
     ]
 
 
-def test_chat_images_are_laid_out_by_the_familys_processor(photo, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("name", ["tiny_idefics3", "tiny_mllama"])
+def test_chat_images_are_laid_out_by_the_familys_processor(name, photo, tmp_path_factory, tmp_path):
     """A folder with the family's processor (processor_config.json, tokenizer, image processor):
     a chat-with-image query is what that processor makes of the template's text and the image
     (Idefics3's `<fake_token_around_image><global-img>` around its tile tokens, which the model
-    cannot tell), and the tokens equal Hugging Face's processor + generate on the folder."""
-    name = "tiny_idefics3"
+    cannot tell; Mllama's one `<|image|>` and the cross-attention mask it computes beside the ids),
+    and the tokens equal Hugging Face's processor + generate on the folder."""
     folder = save_checkpoint(build_tiny(name, seed=5)[0], tmp_path_factory.mktemp("processed") / name)
     queries = _image_chat(photo)
     overrides = ["model=hf", f"model.checkpoint={folder}", f"prompt.queries={hydra_value(queries)}"]
@@ -501,6 +502,8 @@ def test_chat_images_are_laid_out_by_the_familys_processor(photo, tmp_path_facto
             cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources
         )
         assert request.prompt == inputs["input_ids"][0].tolist()
+        if "cross_attention_mask" in inputs:
+            assert torch.equal(request.cross_attention_mask, inputs["cross_attention_mask"][0])
         engine = DemoLLM(
             state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import (
@@ -14,6 +16,7 @@ from conftest import (
     build_tiny,
     capture_tiny,
     compose_cfg,
+    run_pipeline,
     transform_context,
 )
 
@@ -24,7 +27,7 @@ from pipeline.models import masks, meta, zoo
 from pipeline.models.images import IMAGES_FIRST, synthetic_image
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.requests import Request, image_part, with_mask_spans
+from pipeline.runtime.requests import Request, Sources, build_requests, image_part, with_mask_spans
 from pipeline.runtime.runners import EagerRunner, PagedRunner
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.scheduler import Chunk
@@ -77,7 +80,8 @@ def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[in
     out = {}
     for r in requests:
         with torch.no_grad():
-            ids = model.generate(**hf_inputs(model.config, r), max_new_tokens=new_tokens, do_sample=False)
+            inputs = {k: v.cpu() for k, v in hf_inputs(model.config, r).items()}
+            ids = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         out[r.seq_id] = ids[0, len(r.prompt) :].tolist()
     return out
 
@@ -85,17 +89,19 @@ def _hf_generate(name: str, requests: list[Request], new_tokens: int) -> dict[in
 def hf_inputs(hf_config, request: Request) -> dict:
     """A request as Hugging Face's processor would hand it to generate: ids, pixels, and (Qwen2.5-VL)
     the image tokens marked in mm_token_type_ids, from which HF computes the grid positions, or
-    (PaliGemma, Gemma 3) the token_type_ids its mask reads."""
+    (PaliGemma, Gemma 3) the token_type_ids its mask reads, or (Mllama) its cross-attention mask."""
     ids = torch.tensor([request.prompt])
     inputs = {"input_ids": ids, **request.images}
     if "image_grid_thw" in request.images:
         inputs["mm_token_type_ids"] = (ids == hf_config.image_token_id).int()
     if (types := masks.token_type_ids(hf_config, request.prompt)) is not None:
         inputs["token_type_ids"] = torch.tensor([types])
+    if request.cross_attention_mask is not None:  # Mllama: the tiles each token attends
+        inputs["cross_attention_mask"] = request.cross_attention_mask[None]
     return inputs
 
 
-@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES + TINY_MOE + YAML_ONLY_VLMS)
+@pytest.mark.parametrize("name", [*TINY_MODELS, *TINY_FAMILIES, *TINY_MOE, *YAML_ONLY_VLMS, "tiny_mllama"])
 @pytest.mark.parametrize("lengths", [[13], [5, 9, 13, 40]], ids=["batch1", "batch4-mixed"])
 def test_greedy_tokens_equal_hf_generate(name, lengths):
     """Partly captured, transformed, cached model vs HF generate: the same tokens. The 40-token
@@ -116,13 +122,83 @@ def test_vlm_text_only_requests(name):
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
 
 
-@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b", *FAMILY_VLMS])
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_llama3_1_8b", *FAMILY_VLMS, "tiny_mllama"])
 def test_capture_none_runs_the_same_loop(name):
     """The eager model in demollm's loop, on a batch where image and text requests mix."""
     engine, hf_config = _engine(name, capture="none")
     assert isinstance(engine.runner, EagerRunner)
     requests = _requests(hf_config, [9, 9, 9], images=zoo.is_vlm(hf_config))
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
+
+
+def _mllama_requests(hf_config, device: str = "cpu") -> list[Request]:
+    """Image requests of different lengths side by side, one whose image sits 20 tokens in (the
+    tokens before it attend its vision states evenly), then text requests."""
+    generator = torch.Generator().manual_seed(4)
+    skeleton = _skeleton(hf_config)
+    requests = []
+    for seq_id, (length, at) in enumerate([(9, 2), (40, 20), (30, 25), (7, None), (12, None)]):
+        ids = torch.randint(20, 400, (length,), generator=generator).tolist()
+        pixels, spans = {}, []
+        if at is not None:
+            image = synthetic_image(28 * (1 + seq_id), generator)
+            tokens, pixels = image_part(hf_config, image, torch.float32, torch.device(device), None, skeleton)
+            ids, spans = ids[:at] + tokens + ids[at:], [(at, at + len(tokens))]
+        requests.append(with_mask_spans(hf_config, Request(seq_id, ids, pixels, image_spans=spans)))
+    return requests
+
+
+@pytest.mark.parametrize(
+    ("capture", "device"),
+    [("partial", "cpu"), ("none", "cpu"), pytest.param("partial", "cuda", marks=pytest.mark.cuda)],
+)
+def test_cross_attention_to_images_generates_what_hf_generate_does(capture, device):
+    """Mllama's language model cross-attends each request's vision states at every step. Captured:
+    prompts prefilled in chunks of 8 tokens beside other requests' (an image's states made in its
+    request's first chunk, kept for its later chunks and its decode steps). Eager: image requests
+    of different lengths in one left-padded wave, text requests in the next (in one wave, HF's model
+    would give them cross-attention over padding images)."""
+    chunks = ["runtime.max_num_tokens=8"] if capture == "partial" else []
+    attention = "triton" if device == "cuda" else "torch"
+    engine, hf_config = _engine("tiny_mllama", capture, chunks, backend=attention, device=device)
+    requests = _mllama_requests(hf_config, device)
+    assert [r.cross_attention_mask is not None for r in requests] == [True, True, True, False, False]
+    generation = engine.generate(requests, 6, SamplingParams(), seed=0)
+    assert generation.tokens == _hf_generate("tiny_mllama", requests, 6)
+    if capture == "none":
+        lengths = [len(r.prompt) for r in requests]
+        assert [s.fed for s in generation.steps if s.kind == "prefill"] == [
+            sum(lengths[:3]),
+            sum(lengths[3:]),
+        ]
+    else:
+        assert not engine.runner.vision  # each request's states go with it
+        # only layer 0's self-attention has a KV cache: layer 1's cross-attention reads the states
+        assert len(record_of(engine.runner.graph).cache_specs) == 1
+
+
+def test_cross_attention_image_requests_run_from_the_command_line(tmp_path):
+    """`python -m pipeline model=tiny_mllama`: the synthetic workload's requests each carry an
+    image, and the tokens the run writes are Hugging Face generate's on those requests."""
+    overrides = ["model=tiny_mllama", "prompt.batch_size=2", "prompt.prompt_len=24", "prompt.output_len=5"]
+    quiet = [
+        "tracking.enabled=false",
+        "profile.enabled=false",
+        "report.enabled=false",
+        "backend=torch-simple",
+    ]
+    proc = run_pipeline([*overrides, *quiet], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads((tmp_path / "run" / "generation" / "tokens.json").read_text())
+    cfg = compose_cfg(overrides)
+    hf_config = zoo.build_hf_config(cfg.model)
+    sources = Sources(skeleton=_skeleton(hf_config))
+    requests = build_requests(
+        cfg.prompt, cfg.runtime, cfg.seed, hf_config, torch.float32, torch.device("cpu"), sources
+    )
+    assert all(r.images and r.cross_attention_mask is not None for r in requests)
+    want = _hf_generate("tiny_mllama", requests, 5)
+    assert {row["seq_id"]: row["tokens"] for row in written} == want
 
 
 @pytest.mark.parametrize("name", TINY_MODELS + TINY_MOE)

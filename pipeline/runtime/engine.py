@@ -143,7 +143,11 @@ class DemoLLM:
         lookahead = 0 if after_step else self.lookahead
         generator = torch.Generator().manual_seed(seed)
         scheduler = Scheduler(
-            requests, self.max_batch_size, self.max_num_tokens, waves=not self.runner.chunked
+            requests,
+            self.max_batch_size,
+            self.max_num_tokens,
+            waves=not self.runner.chunked,
+            wave_key=getattr(self.runner, "wave_key", None),
         )
         result = Generation(
             {r.seq_id: [] for r in requests}, requests={r.seq_id: RequestTiming() for r in requests}

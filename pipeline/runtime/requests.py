@@ -22,7 +22,7 @@ from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
 from pipeline.models import images as imaging
 from pipeline.models import masks, zoo
-from pipeline.models.inputs import random_ids, special_ids
+from pipeline.models.inputs import cross_attention_rows, random_ids, special_ids
 from pipeline.models.processor import load_processor, processed
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.runtime import queries as query_forms
@@ -36,6 +36,9 @@ class Request:
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each image's tokens
     # [start, end) spans the model attends both ways (models/masks.py): PaliGemma's prompt, Gemma 3's images
     bidirectional: list[tuple[int, int]] = field(default_factory=list)
+    # [P, images, tiles]: the tiles each prompt token attends, for a family whose language model
+    # cross-attends the vision states (models/cross_attention.py); None otherwise
+    cross_attention_mask: torch.Tensor | None = None
 
     @property
     def unsplit_span(self) -> tuple[int, int] | None:
@@ -70,8 +73,11 @@ def sources_of(checkpoint: str | None, hf_config, skeleton: torch.nn.Module) -> 
 
 
 def with_mask_spans(hf_config, request: Request) -> Request:
-    """The request with the spans its model attends both ways filled in (models/masks.py)."""
+    """The request with what its model's masks read filled in: the spans it attends both ways
+    (models/masks.py), the tiles each token cross-attends (models/cross_attention.py)."""
     request.bidirectional = masks.bidirectional_spans(hf_config, request.prompt)
+    if request.images and zoo.takes_vision_states(hf_config):
+        request.cross_attention_mask = cross_attention_rows(hf_config, request.prompt, request.images)
     return request
 
 
@@ -137,6 +143,8 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
             "check the checkpoint's chat template"
         )
     batch = imaging.preprocess(hf_config, images, dtype, device, sources.image_processor, sources.skeleton)
+    if zoo.takes_vision_states(hf_config):  # [images, 1, ...] -> one sequence's [1, images, ...]
+        batch.kwargs = {k: v.transpose(0, 1) for k, v in batch.kwargs.items()}
     prompt: list[int] = []
     spans: list[tuple[int, int]] = []
     last = 0

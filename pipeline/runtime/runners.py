@@ -21,7 +21,7 @@ from torch import fx, nn
 from pipeline.attention.kv_cache import PagedKVCache, pages_for
 from pipeline.config import RuntimeConfig
 from pipeline.graphs import find_language_models, range_name, record_of
-from pipeline.models import masks, probe
+from pipeline.models import cross_attention, masks, probe
 from pipeline.models.images import concat_pixels
 from pipeline.runtime.positions import Positions
 from pipeline.runtime.requests import Request
@@ -46,6 +46,12 @@ def _images(chunks: list[Chunk]) -> dict[str, torch.Tensor]:
     return concat_pixels([c.request.images for c in chunks if c.has_images])
 
 
+def _first_with_images(chunks: list[Chunk]) -> list[Chunk]:
+    """The chunks that begin a request with images: a cross-attention family's every prompt token
+    reads the request's vision states, so they are made in its first step."""
+    return [c for c in chunks if c.start == 0 and c.request.images]
+
+
 class PagedRunner:
     chunked = True  # a prompt may be prefilled over several steps
 
@@ -57,6 +63,11 @@ class PagedRunner:
         self.cache = PagedKVCache(specs, pages_for(runtime, specs), runtime.attn_page_size, device)
         self.step_inputs: dict[str, torch.Tensor] = {}
         self.eager_lm_head = not isinstance(model, fx.GraphModule)
+        # a language model that cross-attends vision states: each request's, kept from its first step
+        self.cross = cross_attention.STATES in record_of(graph).vision_inputs
+        self.vision: dict[int, cross_attention.SequenceStates] = {}
+        self.cross_step: list[tuple[Request, int, int, bool]] = []  # (request, start, end, decode)
+        self.cross_new: list[Request] = []  # requests whose pixels this step's call takes
 
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
         """Each chunk's prompt tokens packed into one step -> the logits of the chunks that complete
@@ -72,8 +83,13 @@ class PagedRunner:
             kwargs = {
                 "input_ids": torch.tensor(ids, device=self.device)[None],  # [1, T]
                 "position_ids": positions.to(self.device),
-                **_images(chunks),
             }
+            if self.cross:
+                self.cross_new = [c.request for c in _first_with_images(chunks)]
+                self.cross_step = [(c.request, c.start, c.end, False) for c in chunks]
+                kwargs.update(concat_pixels([r.images for r in self.cross_new]))
+            else:
+                kwargs.update(_images(chunks))
             ends = torch.tensor(lengths).cumsum(0) - 1
             last = ends[[i for i, c in enumerate(chunks) if c.completes]].to(self.device)  # rows to keep
             if self.blocks:  # [T, 2]: each token's bidirectional block in its sequence
@@ -95,6 +111,8 @@ class PagedRunner:
             if any(deltas):
                 positions = positions + torch.tensor(deltas).to(self.device, non_blocking=True)
             kwargs = {"input_ids": ids[None], "position_ids": positions[None]}  # [1, B]
+            if self.cross:
+                self.cross_new, self.cross_step = [], [(r, 0, 1, True) for r in requests]
             if self.blocks:  # generated tokens are in no block
                 self.step_inputs["token_block"] = torch.zeros(
                     len(requests), 2, dtype=torch.long, device=self.device
@@ -129,12 +147,42 @@ class PagedRunner:
                 self.cache.commit(request.seq_id, n)
         return logits if self.eager_lm_head or last is None else logits[last]
 
-    def _step_inputs(self, _call: dict) -> dict[str, torch.Tensor]:
-        return self.step_inputs
+    def _step_inputs(self, call: dict) -> dict[str, torch.Tensor]:
+        if not self.cross:
+            return self.step_inputs
+        return {**self.step_inputs, **self._cross_inputs(call)}
+
+    def _cross_inputs(self, call: dict) -> dict[str, torch.Tensor]:
+        """The step's vision states, block-diagonal mask and row mask (models/cross_attention.py).
+        The states of requests that begin with this step come in the call, as the model made them
+        of their pixels: [1, R * slots, H], each request's slot [images_max * tiles * patches, H]."""
+        if self.cross_new:
+            states = call[cross_attention.STATES]
+            slots = states.reshape(len(self.cross_new), -1, states.shape[-1])
+            images = max(r.cross_attention_mask.shape[1] for r in self.cross_new)
+            for slot, request in zip(slots, self.cross_new, strict=True):
+                mask = request.cross_attention_mask  # [P, images, tiles]
+                per_tile = slot.shape[0] // (images * mask.shape[-1])
+                rows = cross_attention.expand_rows(mask, per_tile)  # [P, N]
+                self.vision[request.seq_id] = cross_attention.SequenceStates(slot[: rows.shape[1]], rows)
+        pieces = []
+        for request, start, end, decode in self.cross_step:
+            sequence = self.vision.get(request.seq_id)
+            rows = sequence.step_rows(start, end, decode) if sequence is not None else None
+            pieces.append((sequence, rows, end - start))
+        hidden = record_of(self.graph).text_config.hidden_size
+        dtype = record_of(self.graph).vision_inputs[cross_attention.STATES].leaves[0][1]
+        return cross_attention.packed_inputs(pieces, hidden, dtype, self.device)
 
     def release(self, request: Request) -> None:
         self.cache.free(request.seq_id)
         self.positions.forget(request)
+        self.vision.pop(request.seq_id, None)
+
+
+def _image_count(request: Request) -> int:
+    mask = request.cross_attention_mask
+    return 0 if mask is None else int(mask.shape[1])
 
 
 class EagerRunner:
@@ -164,6 +212,11 @@ class EagerRunner:
         self.rows: dict[int, int] = {}  # seq_id -> its row
         self.deltas: torch.Tensor | None = None  # [B, 1]: each row's grid-position delta
         self.ids: torch.Tensor | None = None  # [B]: each row's last fed token
+        # Mllama: [B, 1, images, tiles], the tiles each row's new token attends (its prompt's last row,
+        # as generate repeats it); None for a text wave
+        self.cross_rows: torch.Tensor | None = None
+        if cross_attention.takes_vision_states(model):
+            self.wave_key = _image_count
 
     def prefill(self, chunks: list[Chunk]) -> torch.Tensor:
         requests = [c.request for c in chunks]
@@ -177,6 +230,18 @@ class EagerRunner:
             grids = [self.positions.of(r) for r in requests]
             self.deltas = torch.tensor([[delta] for _, delta in grids]).to(self.device)  # [B, 1]
             kwargs = {"input_ids": ids.to(self.device), **_images(chunks)}
+            self.cross_rows = None
+            if requests[0].cross_attention_mask is not None:  # a wave of one image count (wave_key)
+                padded = torch.stack(
+                    [
+                        torch.nn.functional.pad(
+                            r.cross_attention_mask, (0, 0, 0, 0, width - len(r.prompt), 0)
+                        )
+                        for r in requests
+                    ]
+                ).to(self.device)  # [B, W, images, tiles], left-padded with rows that attend nothing
+                kwargs["cross_attention_mask"] = padded
+                self.cross_rows = padded[:, -1:]
             types = [masks.token_type_ids(self.hf_config, r.prompt) for r in requests]
             if types[0] is not None:  # left-padded as the ids; pads are masked out anyway
                 kwargs["token_type_ids"] = torch.tensor(
@@ -205,6 +270,8 @@ class EagerRunner:
                 self.ids = self.ids.index_copy(0, rows, ids)
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
             kwargs = {"input_ids": self.ids[:, None]}
+            if self.cross_rows is not None:
+                kwargs["cross_attention_mask"] = self.cross_rows
         logits = self._run(kwargs, 1)
         return logits if every_row else logits[rows]
 

@@ -10,12 +10,15 @@ here raises it.
 
 The eager runner (capture=none, Hugging Face's own padded cache) prefills whole prompts in waves:
 a wave is admitted only when the previous one has finished, and its cost is its padded size,
-requests x longest prompt.
+requests x longest prompt. Where the runner names a wave key, a wave holds requests of one key
+(consecutive in arrival order): Mllama's padded batch would give a text request cross-attention
+over padding images, so its text and image requests go in separate waves.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pipeline.runtime.requests import Request
@@ -41,9 +44,16 @@ class Chunk:
 
 class Scheduler:
     def __init__(
-        self, requests: list[Request], max_batch_size: int, max_num_tokens: int, waves: bool = False
+        self,
+        requests: list[Request],
+        max_batch_size: int,
+        max_num_tokens: int,
+        waves: bool = False,
+        wave_key: Callable[[Request], Hashable] | None = None,
     ):
-        """waves: the eager runner's whole-prompt waves (see the module's docstring)."""
+        """waves: the eager runner's whole-prompt waves; wave_key: what the requests of one wave share
+        (see the module's docstring)."""
+        self.wave_key = wave_key
         for request in requests:
             span = request.unsplit_span
             if span is not None and span[1] - span[0] > max_num_tokens:
@@ -110,6 +120,8 @@ class Scheduler:
         while self.waiting and len(wave) < self.max_batch_size:
             candidate = max(width, len(self.waiting[0].prompt))
             if wave and (len(wave) + 1) * candidate > self.max_num_tokens:
+                break
+            if wave and self.wave_key and self.wave_key(self.waiting[0]) != self.wave_key(wave[0]):
                 break
             width = candidate
             wave.append(self.waiting.popleft())
