@@ -129,6 +129,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     skeleton = meta.meta_model(model_cls, hf_config)
     check_workload(config, hf_config, sources_of(folder, hf_config, skeleton))
     check_attention_options(config, hf_config, cuda_available)
+    check_replays(config, hf_config, cuda_available)
     ranks.check_world(config, hf_config, runs_on_cuda(config, cuda_available), _multirun())
     meta.check_submodules("capture.submodules", config.capture.submodules, skeleton)
     if config.capture.mode == "partial" and not config.capture.submodules and zoo.is_vlm(hf_config):
@@ -156,6 +157,23 @@ def check_attention_options(config: PipelineConfig, hf_config, cuda_available: b
             )
 
 
+def check_replays(config: PipelineConfig, hf_config, cuda_available: bool) -> None:
+    """A backend that replays CUDA graphs needs each step's inputs in fixed shapes; a model that
+    cross-attends vision states (models/cross_attention.py) takes as many as the step's sequences
+    bring, so it runs with torch-compile (backend=auto picks it)."""
+    from pipeline.models import zoo
+
+    backend = resolve_backend(
+        config, runs_on_cuda(config, cuda_available), not zoo.takes_vision_states(hf_config)
+    )
+    if backend in CUDA_ONLY_BACKENDS and zoo.takes_vision_states(hf_config):
+        raise ConfigError(
+            f"backend={backend} replays CUDA graphs of fixed input shapes, and {config.model.name}'s language "
+            "model cross-attends vision states whose count changes with each step's images; use "
+            "backend=torch-compile"
+        )
+
+
 def _job(cfg: DictConfig) -> None:
     checked = check_config(cfg, _cuda_available())
     if checked.config.dry_run:
@@ -177,7 +195,13 @@ def _job(cfg: DictConfig) -> None:
         " profile.reference=none" if ranks.profiles_eager_reference(config) else ""
     )
     check_fits(checked.params, checked.hf_config, config.runtime, config.model.name, dtype, device, shard_fix)
-    if config.backend.piecewise and resolve_backend(config, device.type == "cuda") in CUDA_ONLY_BACKENDS:
+    from pipeline.models import zoo
+
+    replays = not zoo.takes_vision_states(checked.hf_config)
+    if (
+        config.backend.piecewise
+        and resolve_backend(config, device.type == "cuda", replays) in CUDA_ONLY_BACKENDS
+    ):
         from pipeline.backends.cudagraph import default_buckets
         from pipeline.models.memory import check_piecewise_fits, free_bytes
 

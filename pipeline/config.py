@@ -218,13 +218,15 @@ def runs_on_cuda(cfg: PipelineConfig, cuda_available: bool) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)
 
 
-def resolve_backend(cfg: PipelineConfig, on_cuda: bool) -> str:
-    """`auto`: capture=none is always the plain eager baseline; else torch-opt on CUDA, torch-compile on CPU."""
+def resolve_backend(cfg: PipelineConfig, on_cuda: bool, replays: bool = True) -> str:
+    """`auto`: capture=none is always the plain eager baseline; else torch-opt on CUDA, torch-compile
+    on CPU and for a model whose steps CUDA graphs cannot replay (replays=False: its graph inputs
+    change shape with each step's sequences, as cross-attended vision states do)."""
     if cfg.backend.name != "auto":
         return cfg.backend.name
     if cfg.capture.mode == "none":
         return "torch-simple"
-    return "torch-opt" if on_cuda else "torch-compile"
+    return "torch-opt" if on_cuda and replays else "torch-compile"
 
 
 def resolve_attention(name: str, on_cuda: bool) -> str:

@@ -23,7 +23,7 @@ from pipeline.config import resolve_attention, resolve_backend
 from pipeline.devices import dtype_name
 from pipeline.errors import RunFailed, short_cause
 from pipeline.faults import maybe_pause
-from pipeline.models.zoo import text_config_of
+from pipeline.models.zoo import takes_vision_states, text_config_of
 from pipeline.parallel import Rank
 from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, numerics, profile, report, transforms
@@ -61,7 +61,7 @@ def new_state(job: Job, rank: Rank | None = None) -> RunState:
         run_dir=job.run_dir,
         device=device,
         dtype=job.dtype,
-        backend=resolve_backend(job.config, on_cuda),
+        backend=resolve_backend(job.config, on_cuda, not takes_vision_states(job.hf_config)),
         attention=resolve_attention(job.config.attention.name, on_cuda),
         hf_config=job.hf_config,
         rank=rank,

@@ -210,6 +210,24 @@ def test_seed_prompt_queries_compose():
     assert cfg.prompt.queries[2][0]["content"][1]["type"] == "image"
 
 
+def test_cuda_graph_replays_of_cross_attended_images_are_refused_up_front():
+    """Mllama's steps take as many vision states as their sequences bring: a backend that replays
+    CUDA graphs is refused naming the fix, and backend=auto picks torch-compile for it on CUDA."""
+    from pipeline.__main__ import check_replays
+    from pipeline.config import resolve_backend
+
+    config = compose_cfg(["model=tiny_mllama", "backend=torch-cudagraph", "device=cuda"])
+    hf_config = zoo.build_hf_config(config.model)
+    with pytest.raises(
+        ConfigError, match="backend=torch-cudagraph replays CUDA graphs.*use backend=torch-compile"
+    ):
+        check_replays(config, hf_config, cuda_available=True)
+    auto = compose_cfg(["model=tiny_mllama", "device=cuda"])
+    check_replays(auto, hf_config, cuda_available=True)
+    assert resolve_backend(auto, True, replays=False) == "torch-compile"
+    assert resolve_backend(auto, True) == "torch-opt"
+
+
 @pytest.mark.parametrize(
     ("name", "attention", "refused"),
     [
