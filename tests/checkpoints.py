@@ -82,6 +82,24 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<image>")
         + "<end_of_utterance>{%- endfor %}{%- if add_generation_prompt %}assistant:{%- endif %}",
     },
+    "aya_vision": {  # the processor writes each image as start, tiles of patch tokens, end
+        "specials": {
+            "<|START_OF_TURN_TOKEN|>": 4,
+            "<|END_OF_TURN_TOKEN|>": 5,
+            "<|USER_TOKEN|>": 6,
+            "<|CHATBOT_TOKEN|>": 7,
+            **{f"TILE_{i}": 480 + i for i in range(1, 13)},
+            "<image>": 495,
+            "<|START_OF_IMG|>": 496,
+            "<|END_OF_IMG|>": 497,
+            "<|IMG_LINE_BREAK|>": 498,
+            "TILE_GLOBAL": 499,
+            "<|IMG_PATCH|>": 500,
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>"
+        + _PARTS.replace("IMAGE", "<image>")
+        + "<|END_OF_TURN_TOKEN|>{%- endfor %}{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
         "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -100,10 +118,16 @@ FAMILY_OF = {
     "got_ocr2": "got_ocr2",
     "idefics3": "idefics3",
     "mllama": "mllama",
+    "aya_vision": "aya_vision",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
-PROCESSOR_KWARGS = {"got_ocr2": {}, "idefics3": {"image_seq_len": 1}, "mllama": {}}
+PROCESSOR_KWARGS = {
+    "got_ocr2": {},
+    "idefics3": {"image_seq_len": 1},
+    "mllama": {},
+    "aya_vision": {"patch_size": 14, "img_size": 28, "downsample_factor": 2},  # 1 token a tile
+}
 WORDS = (
     "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "
     "please describe natural scenery you see following images what colour sky why water wet tell me about "

@@ -475,12 +475,13 @@ def _image_chat(photo: Path) -> list:
     ]
 
 
-@pytest.mark.parametrize("name", ["tiny_idefics3", "tiny_mllama"])
+@pytest.mark.parametrize("name", ["tiny_idefics3", "tiny_mllama", "tiny_aya_vision"])
 def test_chat_images_are_laid_out_by_the_familys_processor(name, photo, tmp_path_factory, tmp_path):
     """A folder with the family's processor (processor_config.json, tokenizer, image processor):
     a chat-with-image query is what that processor makes of the template's text and the image
     (Idefics3's `<fake_token_around_image><global-img>` around its tile tokens, which the model
-    cannot tell; Mllama's one `<|image|>` and the cross-attention mask it computes beside the ids),
+    cannot tell; Mllama's one `<|image|>` and the cross-attention mask it computes beside the ids;
+    Aya Vision's `<|START_OF_IMG|>`, tile and `TILE_GLOBAL` tokens around its patch tokens),
     and the tokens equal Hugging Face's processor + generate on the folder."""
     folder = save_checkpoint(build_tiny(name, seed=5)[0], tmp_path_factory.mktemp("processed") / name)
     queries = _image_chat(photo)
