@@ -512,6 +512,59 @@ def test_chat_images_are_laid_out_by_the_familys_processor(name, photo, tmp_path
     assert tokens[0] == want.tolist()
 
 
+@pytest.mark.parametrize("processor", [True, False], ids=["processor", "no-processor"])
+def test_a_chat_with_two_images_cross_attends_each_from_its_token(
+    processor, photo, tmp_path_factory, tmp_path
+):
+    """Mllama, two images in one chat message: each token attends the tiles of the last image
+    before it. With the folder's processor the request is its output; without one (no
+    processor_config.json) the images go through the image processor into one sequence's
+    [1, images, tiles, ...] and the mask through the family's processor code: the same ids, pixels
+    and cross-attention mask either way, and the tokens of processor + generate on the folder."""
+    folder = save_checkpoint(build_tiny("tiny_mllama", seed=5)[0], tmp_path_factory.mktemp("two") / "mllama")
+    second = tmp_path / "second.png"
+    Image.new("RGB", (40, 70), (10, 200, 30)).save(second)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "url": f"file://{photo}"},
+                {"type": "text", "text": "compare this image"},
+                {"type": "image", "url": f"file://{second}"},
+                {"type": "text", "text": "with this one"},
+            ],
+        }
+    ]
+    from transformers import AutoProcessor, MllamaForConditionalGeneration
+
+    hf_processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    text = hf_processor.apply_chat_template(messages, add_generation_prompt=True)
+    pictures = [[Image.open(p).convert("RGB") for p in (photo, second)]]
+    inputs = hf_processor(text=[text], images=pictures, return_tensors="pt")
+    with torch.no_grad():
+        reference = MllamaForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+        want = reference.generate(**inputs, max_new_tokens=5, do_sample=False)[
+            0, inputs["input_ids"].shape[1] :
+        ]
+    if not processor:
+        (folder / "processor_config.json").unlink()
+    overrides = ["model=hf", f"model.checkpoint={folder}", f"prompt.queries={hydra_value([messages])}"]
+    with staged([*overrides, "prompt.output_len=5"], "transforms", tmp_path / "run") as state:
+        assert (state.sources.processor is not None) == processor
+        cfg = state.cfg
+        (request,) = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources
+        )
+        assert request.prompt == inputs["input_ids"][0].tolist()
+        assert torch.equal(request.cross_attention_mask, inputs["cross_attention_mask"][0])
+        assert all(torch.equal(request.images[k], inputs[k]) for k in request.images)
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate([request], 5, SamplingParams(), seed=0).tokens
+    assert tokens[0] == want.tolist()
+
+
 def test_a_processor_that_disagrees_with_the_model_is_refused_up_front(photo, tmp_path_factory):
     """GOT-OCR2's processor writes 256 image tokens per image (its published 1024-pixel images); the
     tiny model makes one of its 64-pixel image: a chat-with-image query is a config error naming

@@ -15,6 +15,8 @@ Both pass positions as the model counts them (from 1 for PaliGemma: models/probe
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import fx, nn
 
@@ -208,6 +210,10 @@ class EagerRunner:
         self.positions = Positions(model, hf_config, offset)
         self.cache_cls = DynamicCache
         self.cache = None
+        # transformers renamed the forward's past_key_values to cache (the old name warns)
+        self.cache_kwarg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self.mask: torch.Tensor | None = None  # [B, S] of every prefilled row
         self.rows: dict[int, int] = {}  # seq_id -> its row
         self.deltas: torch.Tensor | None = None  # [B, 1]: each row's grid-position delta
@@ -279,7 +285,7 @@ class EagerRunner:
         if "position_ids" not in kwargs:  # text positions of each row plus its grid delta: [B, S]
             positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
             kwargs["position_ids"] = positions + self.deltas + self.positions.offset
-        kwargs.update(attention_mask=self.mask, past_key_values=self.cache, use_cache=True)
+        kwargs.update({"attention_mask": self.mask, self.cache_kwarg: self.cache, "use_cache": True})
         with torch.no_grad():
             return self.model(**kwargs, **self.last_logits_only).logits[:, -1]
 
