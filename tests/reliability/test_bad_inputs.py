@@ -55,7 +55,10 @@ def test_odd_images_are_converted_or_refused_clearly(mode, size, refused, tmp_pa
             "model=tiny_mistral3",
             f"prompt.images=[{image}]",
             "prompt.output_len=2",
-            "profile.decode_steps=1",
+            # what is under test ends at generate: no compile, no profile
+            "backend=torch-simple",
+            "profile.enabled=false",
+            "report.enabled=false",
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
@@ -114,7 +117,10 @@ def test_out_of_memory_in_capture_fails_the_job_and_the_sweep_goes_on(tmp_path, 
             "backend=torch-compile",
             "seed=0,1",
             "prompt.output_len=2",
-            "profile.decode_steps=1",
+            # what is under test ends at generate: no compile, no profile
+            "backend=torch-simple",
+            "profile.enabled=false",
+            "report.enabled=false",
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
