@@ -83,6 +83,12 @@ class GraphRecord:
     # read it): a call may still pass them, and they are not forwarded
     unused_inputs: list[str] = field(default_factory=list)
     vision_inputs: dict[str, VisionInput] = field(default_factory=dict)
+    # insert_cached_attention, for a graph with cross-attention: the nodes that make its keys and
+    # values of the vision states, split out (kwargs: the graph inputs they read; returns one tensor
+    # per name of `cross_kv_inputs`, the graph inputs that take them), so a runtime makes them once
+    # per request and keeps them as a KV cache (models/cross_attention.py)
+    cross_kv: nn.Module | None = field(default=None, repr=False)
+    cross_kv_inputs: list[str] = field(default_factory=list)
     # backend.piecewise=true: the graph's pieces in order, each node's in its meta (SEGMENT)
     segments: list[Segment] = field(default_factory=list)
     # The eager module the graph replaced (its weights are the graph's, or were before a rewrite

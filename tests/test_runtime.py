@@ -154,8 +154,8 @@ def _mllama_requests(hf_config, device: str = "cpu") -> list[Request]:
 )
 def test_cross_attention_to_images_generates_what_hf_generate_does(capture, device):
     """Mllama's language model cross-attends each request's vision states at every step. Captured:
-    prompts prefilled in chunks of 8 tokens beside other requests' (an image's states made in its
-    request's first chunk, kept for its later chunks and its decode steps). Eager: image requests
+    prompts prefilled in chunks of 8 tokens beside other requests' (an image's cross-attention keys
+    and values made in its request's first chunk, kept for its later chunks and decode steps). Eager: image requests
     of different lengths in one left-padded wave, text requests in the next (in one wave, HF's model
     would give them cross-attention over padding images)."""
     chunks = ["runtime.max_num_tokens=8"] if capture == "partial" else []
@@ -163,6 +163,9 @@ def test_cross_attention_to_images_generates_what_hf_generate_does(capture, devi
     engine, hf_config = _engine("tiny_mllama", capture, chunks, backend=attention, device=device)
     requests = _mllama_requests(hf_config, device)
     assert [r.cross_attention_mask is not None for r in requests] == [True, True, True, False, False]
+    made = []  # the cross-attention keys and values: made once per image request (and zero states)
+    if capture == "partial":
+        record_of(engine.runner.graph).cross_kv.register_forward_hook(lambda *_: made.append(1))
     generation = engine.generate(requests, 6, SamplingParams(), seed=0)
     assert generation.tokens == _hf_generate("tiny_mllama", requests, 6)
     if capture == "none":
@@ -172,9 +175,13 @@ def test_cross_attention_to_images_generates_what_hf_generate_does(capture, devi
             sum(lengths[3:]),
         ]
     else:
-        assert not engine.runner.vision  # each request's states go with it
-        # only layer 0's self-attention has a KV cache: layer 1's cross-attention reads the states
-        assert len(record_of(engine.runner.graph).cache_specs) == 1
+        assert not engine.runner.vision  # each request's keys and values go with it
+        record = record_of(engine.runner.graph)
+        # layer 0's self-attention has the paged KV cache; layer 1's cross-attention keys and values
+        # are graph inputs, made of the states outside the graph, which no longer reads the states
+        assert len(record.cache_specs) == 1 and record.cross_kv_inputs == ["cross_key_0", "cross_value_0"]
+        assert "cross_attention_states" in record.unused_inputs
+        assert len(made) == 1 + 3
 
 
 def test_cross_attention_image_requests_run_from_the_command_line(tmp_path):

@@ -443,7 +443,9 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
                     f"graph '{record.name}' was exported without '{name}' and was called with it "
                     f"({type(value).__name__}); its inputs are {sorted(inputs)}"
                 )
-        for name in record.vision_inputs.keys() - adapted.keys():  # a call without them at all
+        for name in (
+            record.vision_inputs.keys() - adapted.keys() - {*record.unused_inputs}
+        ):  # a call without them
             adapted[name] = record.vision_inputs[name].empty(first_tensor(call))
         if "position_ids" in inputs and "position_ids" not in adapted:
             adapted["position_ids"] = default_position_ids(

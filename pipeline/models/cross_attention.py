@@ -10,9 +10,11 @@ tile's vision states and turns it additive; a row that attends nothing (the text
 image) attends all of its sequence's states evenly, with its MLP output zeroed
 (`full_text_row_masked_out_mask`). Generation repeats the prompt's last row for each new token.
 
-demollm packs several sequences into one step [1, T] (runtime/runners.py), so it lays the three
-inputs out itself (`packed_inputs`): every sequence's states side by side behind the zero states,
-a block-diagonal additive mask, and each token's row mask. A sequence without images attends only
+The captured graph takes the cross-attention keys and values as inputs (insert_cached_attention
+splits out the nodes that make them of the states: `make_kv`). demollm packs several sequences
+into one step [1, T] (runtime/runners.py) and lays the inputs out itself (`packed_inputs`): every
+sequence's keys and values, made once per request, side by side behind the zero states', a
+block-diagonal additive mask, and each token's row mask. A sequence without images attends only
 the zero states, whose keys and values are zero (k_proj and v_proj have no bias, and k_norm of zero
 is zero), so its cross-attention adds nothing and its MLP is zeroed: what the model computes when
 it skips the layer for a text call. A call without images gets the same (graphs.VisionInput).
@@ -27,10 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-STATES = "cross_attention_states"  # [B, N, H] as the graph takes it: N vision states per sequence
+STATES = "cross_attention_states"  # [B, N, H] as the graph is exported with: N states per sequence
 MASK = "cross_attention_mask"  # the model's input [B, S, images, tiles]; the graph's [B, 1, S, N]
 ROWS = "full_text_row_masked_out_mask"  # [B, 1, S, 1]: 1 where the token attends some state
-GRAPH_INPUTS = (STATES, MASK, ROWS)
 # States a sequence without images attends, all zero. Two, not one: export specializes a state
 # count of 1 (a size of 1 broadcasts), so the graph takes any count but 1.
 ZERO_STATES = 2
@@ -91,11 +92,27 @@ def expand_rows(rows: torch.Tensor, states_per_tile: int) -> torch.Tensor:
     return rows.repeat_interleave(states_per_tile, dim=-1).reshape(rows.shape[0], -1).bool()
 
 
+def make_kv(record, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The cross-attention keys and values of a graph (GraphRecord.cross_kv, split out by
+    insert_cached_attention) made of its vision inputs in graph form: [B, Hkv, N, D] each."""
+    names = [n.target for n in record.cross_kv.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        return tuple(record.cross_kv(**{name: inputs[name] for name in names}))
+
+
+def sequence_kv(record, states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One sequence's keys and values of its states [N, H], as one call of one token makes them."""
+    ones = states.new_ones(1, 1, 1, 1)
+    return make_kv(
+        record, {STATES: states[None], MASK: states.new_zeros(1, 1, 1, states.shape[0]), ROWS: ones}
+    )
+
+
 @dataclass
 class SequenceStates:
-    """One sequence's vision states and prompt mask, kept for every step it runs in."""
+    """One sequence's cross-attention keys and values and prompt mask, kept for every step it runs in."""
 
-    states: torch.Tensor  # [N, H]
+    kv: tuple[torch.Tensor, ...]  # per graph input of GraphRecord.cross_kv_inputs: [1, Hkv, N, D]
     rows: torch.Tensor  # [P, N] bool: which states each prompt token attends
 
     def step_rows(self, start: int, end: int, decode: bool) -> torch.Tensor:
@@ -105,14 +122,18 @@ class SequenceStates:
 
 
 def packed_inputs(
-    pieces: list[tuple[SequenceStates | None, torch.Tensor | None, int]], hidden: int, dtype, device
+    pieces: list[tuple[SequenceStates | None, torch.Tensor | None, int]],
+    zero: SequenceStates,
+    names: list[str],
+    dtype,
+    device,
 ) -> dict[str, torch.Tensor]:
     """The graph's cross-attention inputs for one packed step. pieces: per sequence in step order,
-    (its states or None, its rows [n, N] or None, its token count n)."""
-    blocks = [s.states for s, _, _ in pieces if s is not None]
-    zeros = torch.zeros(ZERO_STATES, hidden, dtype=dtype, device=device)
-    states = torch.cat([zeros, *blocks])  # [Z + ΣN, H]
-    total, tokens = states.shape[0], sum(n for *_, n in pieces)
+    (its keys and values or None, its rows [n, N] or None, its token count n); zero: the keys and
+    values of the zero states; names: the graph inputs the keys and values go to."""
+    blocks = [zero, *(s for s, _, _ in pieces if s is not None)]
+    kv = [torch.cat([b.kv[i] for b in blocks], dim=2) for i in range(len(names))]  # [1, Hkv, Z + ΣN, D]
+    total, tokens = kv[0].shape[2], sum(n for *_, n in pieces)
     allowed = torch.zeros(tokens, total, dtype=torch.bool, device=device)  # [T, Z + ΣN]
     attends = torch.zeros(tokens, dtype=dtype, device=device)  # [T]
     row, column = 0, ZERO_STATES
@@ -120,7 +141,7 @@ def packed_inputs(
         if sequence is None:
             allowed[row : row + n, :ZERO_STATES] = True  # zero keys and values: nothing added
         else:
-            width = sequence.states.shape[0]
+            width = sequence.kv[0].shape[2]
             rows = rows.to(device)
             some = rows.any(-1)  # [n]; a row that attends nothing attends all its states evenly
             allowed[row : row + n, column : column + width] = rows | ~some[:, None]
@@ -131,7 +152,7 @@ def packed_inputs(
         ~allowed, torch.finfo(dtype).min
     )
     return {
-        STATES: states[None],  # [1, Z + ΣN, H]
+        **dict(zip(names, kv, strict=True)),
         MASK: mask[None, None],  # [1, 1, T, Z + ΣN]
         ROWS: attends[None, None, :, None],  # [1, 1, T, 1]
     }

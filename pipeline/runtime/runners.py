@@ -66,8 +66,17 @@ class PagedRunner:
         self.step_inputs: dict[str, torch.Tensor] = {}
         self.eager_lm_head = not isinstance(model, fx.GraphModule)
         # a language model that cross-attends vision states: each request's, kept from its first step
-        self.cross = cross_attention.STATES in record_of(graph).vision_inputs
+        self.cross = record_of(graph).cross_kv is not None
+        if cross_attention.STATES in record_of(graph).vision_inputs and not self.cross:
+            raise ValueError(
+                "the captured graph cross-attends vision states without their keys and values split "
+                "out (insert_cached_attention), so demollm cannot keep them per request"
+            )
         self.vision: dict[int, cross_attention.SequenceStates] = {}
+        self.cross_zero: cross_attention.SequenceStates | None = None  # the zero states' keys and values
+        self.cross_dtype = (
+            record_of(graph).vision_inputs[cross_attention.STATES].leaves[0][1] if self.cross else None
+        )
         self.cross_step: list[tuple[Request, int, int, bool]] = []  # (request, start, end, decode)
         self.cross_new: list[Request] = []  # requests whose pixels this step's call takes
 
@@ -155,26 +164,40 @@ class PagedRunner:
         return {**self.step_inputs, **self._cross_inputs(call)}
 
     def _cross_inputs(self, call: dict) -> dict[str, torch.Tensor]:
-        """The step's vision states, block-diagonal mask and row mask (models/cross_attention.py).
-        The states of requests that begin with this step come in the call, as the model made them
-        of their pixels: [1, R * slots, H], each request's slot [images_max * tiles * patches, H]."""
-        if self.cross_new:
-            states = call[cross_attention.STATES]
-            slots = states.reshape(len(self.cross_new), -1, states.shape[-1])
-            images = max(r.cross_attention_mask.shape[1] for r in self.cross_new)
-            for slot, request in zip(slots, self.cross_new, strict=True):
-                mask = request.cross_attention_mask  # [P, images, tiles]
-                per_tile = slot.shape[0] // (images * mask.shape[-1])
-                rows = cross_attention.expand_rows(mask, per_tile)  # [P, N]
-                self.vision[request.seq_id] = cross_attention.SequenceStates(slot[: rows.shape[1]], rows)
+        """The step's cross-attention keys and values, block-diagonal mask and row mask
+        (models/cross_attention.py)."""
+        with engine_span("cross_kv"):
+            self._make_cross_kv(call)
         pieces = []
         for request, start, end, decode in self.cross_step:
             sequence = self.vision.get(request.seq_id)
             rows = sequence.step_rows(start, end, decode) if sequence is not None else None
             pieces.append((sequence, rows, end - start))
-        hidden = record_of(self.graph).text_config.hidden_size
-        dtype = record_of(self.graph).vision_inputs[cross_attention.STATES].leaves[0][1]
-        return cross_attention.packed_inputs(pieces, hidden, dtype, self.device)
+        names = record_of(self.graph).cross_kv_inputs
+        return cross_attention.packed_inputs(pieces, self.cross_zero, names, self.cross_dtype, self.device)
+
+    def _make_cross_kv(self, call: dict) -> None:
+        """The keys and values of the zero states (once), and of each request beginning this step,
+        made once of the vision states the model made of its pixels in this step's call:
+        [R * images * tiles, patches, H], each request's slot [images_max * tiles * patches, H]."""
+        record = record_of(self.graph)
+        if self.cross_zero is None:
+            hidden = record.text_config.hidden_size
+            zeros = torch.zeros(
+                cross_attention.ZERO_STATES, hidden, dtype=self.cross_dtype, device=self.device
+            )
+            self.cross_zero = cross_attention.SequenceStates(cross_attention.sequence_kv(record, zeros), None)
+        if not self.cross_new:
+            return
+        states = call[cross_attention.STATES]
+        slots = states.reshape(len(self.cross_new), -1, states.shape[-1])
+        images = max(r.cross_attention_mask.shape[1] for r in self.cross_new)
+        for slot, request in zip(slots, self.cross_new, strict=True):
+            mask = request.cross_attention_mask  # [P, images, tiles]
+            per_tile = slot.shape[0] // (images * mask.shape[-1])
+            rows = cross_attention.expand_rows(mask, per_tile)  # [P, N]
+            kv = cross_attention.sequence_kv(record, slot[: rows.shape[1]])
+            self.vision[request.seq_id] = cross_attention.SequenceStates(kv, rows)
 
     def release(self, request: Request) -> None:
         self.cache.free(request.seq_id)

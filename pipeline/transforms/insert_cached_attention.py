@@ -10,8 +10,11 @@ graph inputs only it read); what it meant goes to the op: the layer's sliding wi
 chunk (Llama-4's chunked layers) from the text config's `layer_types`, the logit cap from the
 matched attention, and, for a family whose prompt spans attend both ways (models/masks.py), a
 `token_block` input [T, 2] the runtime fills from each request. In a full graph of a VLM only the language model's
-attention (under the record's `language_model_prefix`, set at export) gets a cache, and no
-cross-attention (keys from vision states, not from the tokens: models/cross_attention.py). The graph's
+attention (under the record's `language_model_prefix`, set at export) gets a cache. Cross-attention
+(keys from vision states, not from the tokens: models/cross_attention.py) keeps its attention op;
+its keys and values become graph inputs (`cross_key_<i>`, `cross_value_<i>`) and the nodes that
+made them of the states a module of their own (`cross_kv` on the record), so a runtime makes them
+once per request. The graph's
 record then carries `cache_specs` (what to allocate) and a `runtime_inputs` provider the kwargs
 adapter calls for those inputs: by default a fresh cache per call (each call is a prefill of new
 sequences, so a plain forward still works and is checked against eager; its blocks are read from
@@ -33,7 +36,7 @@ from pipeline.attention import (
 )
 from pipeline.attention.kv_cache import CacheSpec, PagedKVCache
 from pipeline.graphs import first_tensor, record_of
-from pipeline.models import masks
+from pipeline.models import cross_attention, masks
 from pipeline.transforms.graph import add_inputs, drop_dead, drop_unused_inputs, is_op, replace
 from pipeline.transforms.registry import Transform, TransformContext, register
 
@@ -85,6 +88,63 @@ def _window_and_chunk(text_config, layer: int | None) -> tuple[int, int]:
     return 0, 0
 
 
+def _language_model_attention(gm: fx.GraphModule, from_tokens: bool) -> list[fx.Node]:
+    """The attention ops in the language model whose keys are (or are not) made of the tokens."""
+    prefix = record_of(gm).language_model_prefix
+    of_tokens = _from_tokens(gm)
+    return [
+        n
+        for n in gm.graph.nodes
+        if is_op(n, ATTENTION) and _in_language_model(n, prefix) and (n.args[1] in of_tokens) == from_tokens
+    ]
+
+
+def _split_cross_kv(gm: fx.GraphModule, crossing: list[fx.Node]) -> tuple[fx.GraphModule, list[str]]:
+    """Each cross-attention's keys and values become graph inputs (`cross_key_<i>`,
+    `cross_value_<i>`: [B, Hkv, N, D]); the nodes that made them of the vision states go into a
+    module of their own, which returns them in that order."""
+    made = [value for node in crossing for value in node.args[1:3]]
+    needed: set[fx.Node] = set()
+    stack = list(made)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph, copies = fx.Graph(), {}
+    for node in gm.graph.nodes:
+        if node in needed:
+            copies[node] = graph.node_copy(node, lambda n: copies[n])
+    graph.output(tuple(copies[n] for n in made))
+    module = fx.GraphModule(gm, graph, class_name="CrossKV")
+    names = [f"cross_{kind}_{i}" for i in range(len(crossing)) for kind in ("key", "value")]
+    inputs = dict(zip(names, add_inputs(gm, names), strict=True))
+    for i, node in enumerate(crossing):
+        node.args = (node.args[0], inputs[f"cross_key_{i}"], inputs[f"cross_value_{i}"], *node.args[3:])
+    return module, names
+
+
+class CrossKVInputs:
+    """Runtime inputs of a plain call of a graph with cross-attention: the fresh cache's, and the
+    keys and values made of the call's vision states (its empty form where it has none)."""
+
+    def __init__(self, fresh: FreshCacheInputs, record):
+        self.fresh, self.record = fresh, record
+
+    def __call__(self, call: dict) -> dict[str, torch.Tensor]:
+        first = first_tensor(call)
+        vision = self.record.vision_inputs
+        states = call.get(cross_attention.STATES)
+        given = {
+            cross_attention.STATES: cross_attention.graph_states(states, first.shape[0])
+            if states is not None
+            else vision[cross_attention.STATES].empty(first),
+            **{n: call[n] for n in vision if n != cross_attention.STATES and n in call},
+        }
+        made = cross_attention.make_kv(self.record, given)
+        return {**self.fresh(call), **dict(zip(self.record.cross_kv_inputs, made, strict=True))}
+
+
 class FreshCacheInputs:
     """Runtime inputs for a plain forward call: the call's N sequences of S tokens are new.
     blocks: the model's HF config, for a graph that takes `token_block`."""
@@ -124,6 +184,7 @@ class InsertCachedAttention(Transform):
         nodes = self._attention_nodes(gm)
         if not nodes:
             return 0
+        crossing = self._cross_attention_nodes(gm)
         op = cached_attention_op(ctx.attention)
         specs = []
         for i, node in enumerate(nodes):
@@ -156,24 +217,25 @@ class InsertCachedAttention(Transform):
                 )  # fmt: skip
             replace(node, cached)
             gm.graph.erase_node(node)
+        if crossing:
+            record.cross_kv, record.cross_kv_inputs = _split_cross_kv(gm, crossing)
         drop_dead(gm)
         record.unused_inputs += drop_unused_inputs(gm)
         record.tensor_inputs = [n for n in record.tensor_inputs if n not in record.unused_inputs]
         record.cache_specs = specs
-        record.runtime_inputs = FreshCacheInputs(specs, ctx.page_size, ctx.hf_config if blocks else None)
-        return len(nodes)
+        fresh = FreshCacheInputs(specs, ctx.page_size, ctx.hf_config if blocks else None)
+        record.runtime_inputs = CrossKVInputs(fresh, record) if crossing else fresh
+        return len(nodes) + len(crossing)
 
     @staticmethod
     def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-        """The language model's self-attention: cross-attention, whose keys come from the vision
-        states the call brings and not from the tokens, keeps no cache and stays as it is."""
-        prefix = record_of(gm).language_model_prefix
-        from_tokens = _from_tokens(gm)
-        return [
-            n
-            for n in gm.graph.nodes
-            if is_op(n, ATTENTION) and _in_language_model(n, prefix) and n.args[1] in from_tokens
-        ]
+        """The language model's self-attention: its keys come from the tokens."""
+        return _language_model_attention(gm, from_tokens=True)
+
+    @staticmethod
+    def _cross_attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+        """The language model's cross-attention: keys from the vision states the call brings."""
+        return _language_model_attention(gm, from_tokens=False)
 
     def unmatched(self, gm: fx.GraphModule) -> list[str]:
         if record_of(gm).has_cache or self._attention_nodes(gm):
