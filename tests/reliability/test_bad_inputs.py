@@ -117,10 +117,7 @@ def test_out_of_memory_in_capture_fails_the_job_and_the_sweep_goes_on(tmp_path, 
             "backend=torch-compile",
             "seed=0,1",
             "prompt.output_len=2",
-            # what is under test ends at generate: no compile, no profile
-            "backend=torch-simple",
-            "profile.enabled=false",
-            "report.enabled=false",
+            "profile.decode_steps=1",
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
