@@ -113,7 +113,7 @@ class SequenceStates:
     """One sequence's cross-attention keys and values and prompt mask, kept for every step it runs in."""
 
     kv: tuple[torch.Tensor, ...]  # per graph input of GraphRecord.cross_kv_inputs: [1, Hkv, N, D]
-    rows: torch.Tensor  # [P, N] bool: which states each prompt token attends
+    rows: torch.Tensor | None  # [P, N] bool: which states each prompt token attends; None: the zero states
 
     def step_rows(self, start: int, end: int, decode: bool) -> torch.Tensor:
         """The mask rows of prompt tokens [start, end), or of one generated token (the prompt's

@@ -5,11 +5,14 @@ ids)`, `release(request)`), each returning the logits of the rows that sample a 
   every step packs the new tokens of its sequences into one row [1, T] (prefill chunks of any
   length, or one token per sequence in decode), with explicit position ids, and binds the paged
   KV cache and the step's sequence metadata to the graph's inputs (and, for a family whose prompt
-  spans attend both ways, each token's block from its request: models/masks.py). The eager parts
-  (vision tower, image merging, lm_head) run as HF wrote them.
+  spans attend both ways, each token's block from its request: models/masks.py; for one that
+  cross-attends vision states, each request's cross-attention keys and values, made in its first
+  step, with the step's block-diagonal mask: models/cross_attention.py). The eager parts (vision
+  tower, image merging, lm_head) run as HF wrote them.
 - `EagerRunner` for `capture=none`: the HF model with its own attention and DynamicCache, a wave
   of whole prompts left-padded, so the eager baseline runs through the same loop and timers; the
-  prefill gets the token_type_ids the family's processor would give, so HF builds the same mask.
+  prefill gets the token_type_ids (or cross-attention mask) the family's processor would give, so
+  HF builds the same mask.
 Both pass positions as the model counts them (from 1 for PaliGemma: models/probe.py).
 """
 
