@@ -122,6 +122,10 @@ def test_images_reach_the_language_model_by_features_or_by_cross_attention():
     assert "no get_image_features and takes no cross_attention_states" in images.unsupported(
         LlavaConfig(), model=Opaque()
     )
+    from pipeline.models import cross_attention
+
+    with pytest.raises(ConfigError, match="no cross-attention mask functions"):  # a processor without them
+        cross_attention.token_mask("llava", [1, 2], 2, [1], 1)
     hf_config, skeleton = _skeleton("tiny_mllama")
     assert images.unsupported(hf_config, model=skeleton) is None
     batch = images.preprocess(

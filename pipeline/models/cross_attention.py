@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.errors import ConfigError
+
 STATES = "cross_attention_states"  # [B, N, H] as the graph is exported with: N states per sequence
 MASK = "cross_attention_mask"  # the model's input [B, S, images, tiles]; the graph's [B, 1, S, N]
 ROWS = "full_text_row_masked_out_mask"  # [B, 1, S, 1]: 1 where the token attends some state
@@ -54,13 +56,19 @@ def _processing_functions(model_type: str):
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    if name is None or not hasattr(transformers, name):
-        raise ValueError(f"model_type={model_type} maps to no processor in transformers")
-    module = importlib.import_module(getattr(transformers, name).__module__)
+    module = (
+        importlib.import_module(getattr(transformers, name).__module__)
+        if hasattr(transformers, name or "")
+        else None
+    )
     token_mask = getattr(module, "get_cross_attention_token_mask", None)
     dense = getattr(module, "convert_sparse_cross_attention_mask_to_dense", None)
     if token_mask is None or dense is None:
-        raise ValueError(f"{name or model_type}'s processor module has no cross-attention mask functions")
+        raise ConfigError(
+            f"model_type={model_type} cross-attends images, and its processor in transformers ({name}) has "
+            "no cross-attention mask functions to say which images each token attends; give text-only "
+            "prompt.queries"
+        )
     return token_mask, dense
 
 
