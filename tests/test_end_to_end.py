@@ -130,7 +130,10 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     summary = json.loads((run_dir / "export" / "summary.json").read_text())
     assert summary["graphs"][0]["path"] == "model.language_model"
     assert all(check["passed"] for check in summary["checks"])
-    assert "[export] done" in (run_dir / "pipeline.log").read_text()
+    log = (run_dir / "pipeline.log").read_text()
+    assert "[export] done" in log
+    # Nothing is sharded: no note of a sharding path in the log or the report's stage table
+    assert "tp_weights" not in log and "tp_weights" not in (run_dir / "summary.json").read_text()
 
 
 def test_full_capture_of_mistral3_fails_at_export_with_its_cause(tmp_path, tracking_uri):

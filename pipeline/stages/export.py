@@ -51,13 +51,13 @@ def run(state: RunState) -> StageResult:
     parts = _parts(state)
     if state.deferred is None:
         state.reference = correctness.reference_outputs(state.model, state.check_calls, parts)
-    if state.cfg.profile.waterfall:
-        waterfall.start(state)
     else:
         notes.append(
             "runtime.tp_weights=shard: the language model's linears are placeholders until the shard "
             "transform fills this rank's slices, so there is no eager result to check against"
         )
+    if state.cfg.profile.waterfall:
+        waterfall.start(state)
     try:
         model, state.captured = graph_capture.capture(
             state.model, paths, capture_call, state.model_info.position_offset, examples.text
