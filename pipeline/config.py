@@ -127,6 +127,8 @@ class ProfileConfig:
     # true: also profile the model after each step from eager to captured (the graph with its cache,
     # each further transform, the capture backend): what each bought and cost (pipeline/waterfall.py)
     waterfall: bool = False
+    # rounds the waterfall's steps are timed in, each visiting every step (docs/profiler.md: the cost)
+    waterfall_rounds: int = 3
 
 
 @dataclass
@@ -424,6 +426,11 @@ def check_outputs(cfg: PipelineConfig) -> None:
     if cfg.profile.waterfall and cfg.capture.mode == "none":
         raise ConfigError(
             "profile.waterfall=true steps from eager to a captured graph: use capture=partial or capture=full"
+        )
+    if cfg.profile.waterfall_rounds < 2:
+        raise ConfigError(
+            f"profile.waterfall_rounds={cfg.profile.waterfall_rounds}: a spread needs at least 2 rounds "
+            "(default 3)"
         )
     if cfg.profile.waterfall and cfg.runtime.world_size > 1:
         raise ConfigError("profile.waterfall=true runs in one process: set runtime.world_size=1")

@@ -331,10 +331,17 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     roofs = graph["roofline"]["roofs"]
     mlp_weights = [p for n, p in model.named_parameters() if ".mlp." in n]
     (mlp,) = [r for r in graph["roofline"]["phases"]["decode"] if r["part"] == "model.layers.*.mlp"]
-    assert mlp["weight_mb"] == pytest.approx(sum(p.numel() * p.element_size() for p in mlp_weights) / 2**20)
-    flops = 2 * sum(p.numel() for p in mlp_weights) * roofs["decode_batch"]
+    assert mlp["weight_mib"] == pytest.approx(sum(p.numel() * p.element_size() for p in mlp_weights) / 2**20)
+    batch = roofs["steps"]["decode"]["tokens"]
+    flops = 2 * sum(p.numel() for p in mlp_weights) * batch
     assert mlp["tflops"] == pytest.approx(flops / (mlp["device_ms"] * 1e-3) / 1e12)
-    assert roofs["prefill_tokens"] > roofs["decode_batch"] >= 1
+    assert roofs["steps"]["prefill"]["tokens"] > batch >= 1
+    # A roof is a bound: no part above it, each one measured at the part's own GEMM shapes
+    assert roofs["gemm_tflops"] and all(
+        r["pct_of_roof"] is None or r["pct_of_roof"] <= 100
+        for rows in graph["roofline"]["phases"].values()
+        for r in rows
+    )
 
     _, runs = mlflow_runs(tracking_uri)
     metrics = next(r for r in runs if r.data.tags["capture"] == "partial").data.metrics

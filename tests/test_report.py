@@ -348,32 +348,90 @@ def test_a_module_maps_to_the_bucket_its_time_is_counted_in():
     assert bucket_of("vision.proj", buckets) is None
 
 
-def test_each_part_is_set_against_the_lower_of_its_two_roofs():
-    """Hand-computed: a 4 MiB MLP (1 Mi float32 weights) fed 1 token in 100 us reaches 0.021
-    TFLOP/s; with 2 FLOPs per 4-byte weight a 100 GB/s read allows 0.05, below the 1 TFLOP/s GEMM
-    rate, so the read is its roof. Fed 1000 tokens the read would allow 50 TFLOP/s: the GEMM rate
-    is its roof. The norm is left out."""
+def test_each_part_is_set_against_the_longer_of_its_read_and_gemm_times():
+    """Hand-computed: a 4 MiB MLP (1 Mi float32 weights) must read 4 MiB a step: 41.9 us at 100
+    GB/s; fed 1 token its GEMM takes 2.1 us at 1 TFLOP/s, so in decode the read is its roof. Fed
+    1000 tokens its GEMM takes 2097 us at the rate measured at that shape: the GEMM is its roof.
+    Attention's roof adds the KV cache it reads (1001 tokens x 512 bytes). A part faster than its
+    roof is a roof error, never a percent above 100; the vision tower gets no rate."""
     from torch import nn
 
-    from pipeline.report.roofline import Roofs, roofline, roofline_table
+    from pipeline.report.roofline import Roofs, gemm_shapes, roofline, roofline_table
 
     model = nn.Module()
     model.model = nn.Module()
     model.model.language_model = nn.Module()
+    model.model.vision_tower = nn.Linear(64, 64, bias=False)
     layer = nn.Module()
     layer.mlp = nn.Linear(1024, 1024, bias=False)
+    layer.self_attn = nn.Linear(1024, 256, bias=False)
     layer.input_layernorm = nn.LayerNorm(1024)
     model.model.language_model.layers = nn.ModuleList([layer])
-    mlp, norm = "model.language_model.layers.*.mlp", "model.language_model.layers.*.input_layernorm"
-    summary = _summary({mlp: 100.0, norm: 5.0})
-    roofs = Roofs(read_gbs=100.0, gemm_tflops=1.0, prefill_tokens=1000, prefill_rows=1, decode_batch=1)
-    rows = roofline(
-        {"prefill": {"summary_stats": summary}, "decode": {"summary_stats": summary}}, model, roofs
+    lm = "model.language_model.layers.*"
+    mlp, attn, norm = f"{lm}.mlp", f"{lm}.self_attn", f"{lm}.input_layernorm"
+    roofs = Roofs(
+        read_gbs=100.0,
+        steps={
+            "prefill": {"tokens": 1000, "rows": 1, "context": 1000, "sequences": 1},
+            "decode": {"tokens": 1, "rows": 1, "context": 1001, "sequences": 1},
+        },
+        gemm_tflops={"1000,1024,1024": 1.0, "1000,1024,256": 1.0},
+        kv_token_bytes=512,
     )
-    (decode,), (prefill,) = rows["decode"], rows["prefill"]
-    assert decode["part"] == prefill["part"] == mlp
-    assert decode["gbs"] == pytest.approx(4 * 2**20 / 100e-6 / 1e9)
-    assert (decode["bound"], prefill["bound"]) == ("read", "gemm")
-    assert decode["pct_of_roof"] == pytest.approx(100 * (2 * 2**20 / 100e-6 / 1e12) / 0.05)
-    assert prefill["pct_of_roof"] == pytest.approx(100 * (2 * 2**20 * 1000 / 100e-6 / 1e12) / 1.0)
-    assert "% of roof" in roofline_table(rows["decode"], "decode", roofs)
+    assert gemm_shapes(model, roofs) == {(1000, 1024, 1024), (1000, 1024, 256)}
+    prefill = _summary({mlp: 3000.0, attn: 100.0, norm: 5.0, "model.vision_tower": 50.0})
+    decode = _summary({mlp: 100.0, attn: 1.0, norm: 5.0, "model.vision_tower": 50.0})
+    rows = roofline(
+        {"prefill": {"summary_stats": prefill}, "decode": {"summary_stats": decode}}, model, roofs
+    )
+    by = {phase: {r["part"]: r for r in rows[phase]} for phase in rows}
+    assert norm not in by["decode"]
+    assert by["decode"][mlp]["bound"] == "read"
+    assert by["decode"][mlp]["roof_ms"] == pytest.approx(4 * 2**20 / 100e9 * 1e3)
+    assert by["decode"][mlp]["pct_of_roof"] == pytest.approx(100 * 4 * 2**20 / 100e9 / 100e-6)
+    assert by["prefill"][mlp]["bound"] == "gemm"
+    assert by["prefill"][mlp]["pct_of_roof"] == pytest.approx(100 * 2 * 1000 * 2**20 / 1e12 / 3000e-6)
+    kv = by["decode"][attn]
+    assert kv["kv_mib"] == pytest.approx(1001 * 512 / 2**20)
+    assert kv["roof_ms"] == pytest.approx((1024 * 256 * 4 + 1001 * 512) / 100e9 * 1e3)
+    assert kv["roof_error"] and kv["pct_of_roof"] is None  # 1 us is under its 15.6 us roof
+    assert by["prefill"]["model.vision_tower"]["gbs"] is None
+    table = roofline_table(rows["decode"], "decode", roofs)
+    assert "ROOF ERROR: 0.001 ms < roof 0.016 ms" in table and "weights MiB" in table
+    assert all(r["pct_of_roof"] is None or r["pct_of_roof"] <= 100 for phase in rows for r in rows[phase])
+
+
+def test_no_ratio_over_unlike_work():
+    """A whole-model graph's prefill computes the lm_head on every prompt row, eager on the last;
+    demollm's spans are each runner's own: neither gets a ratio. In decode (one row each side) the
+    lm_head keeps its ratio; a partly captured model's eager lm_head keeps it in prefill too."""
+    from pipeline.report.breakdown import comparison
+
+    def summary(head_us: float, steps_us: float) -> dict:
+        return {
+            "kind": "phase",
+            "name": "prefill",
+            "fqn": "",
+            "device_time_us": head_us + steps_us,
+            "children": [
+                {"kind": "module", "name": "lm_head", "fqn": "lm_head", "device_time_us": head_us, "children": []},
+                {"kind": "module", "name": "step_inputs", "fqn": "demollm.step_inputs",
+                 "device_time_us": steps_us, "children": []},
+            ],
+        }  # fmt: skip
+
+    def phases(head_us, steps_us):
+        return {p: {"summary_stats": summary(head_us, steps_us), "device_time_us": head_us + steps_us}
+                for p in ("prefill", "decode")}  # fmt: skip
+
+    whole = comparison(phases(500.0, 50.0), phases(10.0, 10.0), graphs=("",))
+    by = {phase: {r["part"]: r for r in rows} for phase, rows in whole.items()}
+    assert (
+        by["prefill"]["lm_head"]["speedup"] is None and "every prompt row" in by["prefill"]["lm_head"]["note"]
+    )
+    assert by["decode"]["lm_head"]["speedup"] == pytest.approx(0.02)
+    for phase in by:
+        assert by[phase]["demollm.step_inputs"]["speedup"] is None
+        assert "each runner's own" in by[phase]["demollm.step_inputs"]["note"]
+    partial = comparison(phases(500.0, 50.0), phases(10.0, 10.0), graphs=("model.language_model",))
+    assert next(r for r in partial["prefill"] if r["part"] == "lm_head")["speedup"] == pytest.approx(0.02)

@@ -3,6 +3,7 @@ one model as the stages advance it, with the step at which a layer first leaves 
 
 from __future__ import annotations
 
+import json
 import operator
 
 import pytest
@@ -23,28 +24,40 @@ MODEL = ["model=tiny_llama3_1_8b", "backend=torch-compile", "profile.waterfall=t
 
 
 @pytest.mark.slow
-def test_each_step_is_measured_and_the_shares_add_up():
+def test_each_step_is_measured_in_rounds_and_the_shares_add_up():
     with staged([*MODEL, *QUIET], "profile") as state:
-        steps = state.waterfall.steps
+        fall = state.waterfall
+        steps = fall.steps
         names = [s.name for s in steps]
         assert names[:2] == ["eager", "graph_and_cache"] and names[-1] == "torch-compile"
         applied = {r.transform for r in state.transform_history.records if r.matches}
         assert set(names[2:-1]) == applied - set(waterfall.DECODING)
+        assert fall.rounds == 3
         for phase in stepwise.PHASES:
-            assert sum(state.waterfall.shares(phase)[1:]) == pytest.approx(1.0)
-            assert all(s.phase_ms[phase] > 0 for s in steps)
+            assert all(len(s.phase_ms[phase]) == 3 and min(s.phase_ms[phase]) > 0 for s in steps)
+            # Signed shares: +1 for a gain, -1 for a loss, never the sign of the whole on each step
+            whole = fall.whole(phase)
+            assert sum(fall.shares(phase)[1:]) == pytest.approx(1.0 if whole > 0 else -1.0)
         capture = next(r for r in state.stages if r.name == "capture")
         assert steps[-1].cost_s == capture.metrics["capture/compile_s"]
-        assert not state.waterfall.first_drift()
+        assert not fall.first_drift()
         profile = next(r for r in state.stages if r.name == "profile")
-        assert profile.metrics["waterfall/eager/decode_ms"] == steps[0].phase_ms["decode"]
+        # The profile's captured-vs-eager line is the waterfall's first round of its ends
+        comparison = json.loads((state.run_dir / "profile" / "profile.json").read_text())["comparison"]
+        for phase in stepwise.PHASES:
+            assert comparison[phase][-1]["eager_ms"] == steps[0].phase_ms[phase][0]
+            assert comparison[phase][-1]["captured_ms"] == steps[-1].phase_ms[phase][0]
+        assert profile.metrics["waterfall/eager/decode_ms"] == steps[0].time("decode").median
         assert (state.run_dir / "waterfall" / "waterfall.png").stat().st_size > 0
-        assert "eager -> torch-compile" in (state.run_dir / "waterfall" / "waterfall.txt").read_text()
+        text = (state.run_dir / "waterfall" / "waterfall.txt").read_text()
+        assert "eager -> torch-compile" in text and "3 interleaved rounds" in text
         # Each step's graph as code, headed by its node count: fuse_gemms's has the fused weights.
         fused = names.index("fuse_gemms")
         assert steps[fused].nodes != steps[fused - 1].nodes
         code = (state.run_dir / "waterfall" / "graphs" / "fuse_gemms" / "root.py").read_text()
         assert code.startswith(f"# {steps[fused].nodes} nodes") and "fused_q_proj_k_proj_v_proj" in code
+        # The model as it ends runs what the capture stage compiled: no step's graph left in place
+        assert "fused_q_proj_k_proj_v_proj" in state.model.code
 
 
 def test_a_broken_transform_is_named_with_the_layer_it_broke(tmp_path, monkeypatch):
@@ -112,3 +125,49 @@ def test_the_waterfall_of_a_gpu_backend(backend):
         for phase in stepwise.PHASES:
             assert sum(state.waterfall.shares(phase)[1:]) == pytest.approx(1.0)
         assert not state.waterfall.first_drift()
+
+
+def _fall(prefill_rounds: list[list[float]], vision: list[list[float]] | None = None) -> stepwise.Waterfall:
+    """A waterfall of steps whose prefill (and decode) ms per round are given; vision: the vision
+    tower's ms per step and round."""
+    fall = stepwise.Waterfall(untouched=["vision_tower"] if vision else [])
+    for i, rounds in enumerate(prefill_rounds):
+        step = stepwise.Step(f"step{i}", 0.0, 0.0)
+        for r, ms in enumerate(rounds):
+            parts = {"vision_tower": vision[i][r]} if vision else {}
+            step.add_round({"prefill": ms, "decode": ms}, {"prefill": parts, "decode": parts})
+        fall.steps.append(step)
+    return fall
+
+
+def test_a_step_that_costs_time_has_a_negative_share_whatever_the_whole():
+    gain = _fall([[10, 10, 10], [6, 6, 6], [7, 7, 7], [4, 4, 4]])  # -4, +1, -3: a gain of 6
+    assert gain.shares("prefill")[1:] == pytest.approx([4 / 6, -1 / 6, 3 / 6])
+    assert sum(gain.shares("prefill")[1:]) == pytest.approx(1.0)
+    loss = _fall([[10, 10, 10], [6, 6, 6], [17, 17, 17]])  # a gain of 4, then a cost of 11: a loss of 7
+    assert loss.shares("prefill")[1:] == pytest.approx([4 / 7, -11 / 7])
+    assert sum(loss.shares("prefill")[1:]) == pytest.approx(-1.0)
+    assert "-157%" in stepwise.table(loss) and "(0.59x" in stepwise.table(loss)
+
+
+def test_a_change_inside_the_rounds_spread_is_noisy():
+    # step1's change within the rounds: +1, -1, +2 (holds 0); step2's: 5, 4, 6
+    fall = _fall([[10, 12, 11], [9, 13, 9], [4, 9, 3]])
+    assert fall.noisy("prefill") == [False, True, False]
+    assert "NOISY" in stepwise.table(fall).splitlines()[4]  # step1's row
+
+
+def test_an_untouched_part_that_moves_says_the_host_was_noisy():
+    steady = _fall([[10, 10, 10], [5, 5, 5]], vision=[[2.0, 2.1, 2.0], [2.0, 2.05, 2.1]])
+    assert not steady.warnings()
+    moved = _fall([[10, 10, 10], [5, 5, 5]], vision=[[2.0, 2.1, 2.0], [4.0, 4.1, 4.2]])
+    assert any("vision_tower, which no step touches" in w for w in moved.warnings())
+    assert "!!! prefill: vision_tower" in stepwise.table(moved)
+
+
+def test_a_profile_line_outside_the_rounds_is_said():
+    fall = _fall([[10, 11, 12], [5, 5, 5]])  # eager / last: 2.0, 2.2, 2.4
+    fall.profile_speedup = {"prefill": 2.2}
+    assert not fall.warnings()
+    fall.profile_speedup = {"prefill": 3.5}
+    assert any("outside the waterfall's eager -> step1" in w for w in fall.warnings())

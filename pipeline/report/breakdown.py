@@ -282,7 +282,11 @@ def comparison(
       registry.rewritten_modules) has none: its gain is that transform's, not capture's;
     - a captured graph's own time (`<graph> (self)`: torch.compile's call and guards, against
       HF's masks and cache bookkeeping), a part measurable on one side only, and unattributed
-      time have none."""
+      time have none;
+    - demollm's spans (`demollm.*`) are each runner's own bookkeeping (the paged runner's against
+      the eager runner's): none;
+    - the prefill's lm_head inside a whole-model graph (`graphs` holds "") computes every prompt
+      row where eager computes the last: none."""
     out: dict[str, list] = {}
     for phase in phases:
         if phase not in captured or phase not in eager:
@@ -310,6 +314,13 @@ def comparison(
                 row.update(speedup=None, note="no module: not comparable")
             elif name.removesuffix(" (self)") in graphs and name.endswith(" (self)"):
                 row.update(speedup=None, note="the graph's own ops: not the same work on both sides")
+            elif name.startswith("demollm."):
+                row.update(speedup=None, note="each runner's own bookkeeping: not the same work")
+            elif phase == "prefill" and part_of(name) == "lm_head" and "" in graphs:
+                row.update(
+                    speedup=None,
+                    note="the graph computes the lm_head on every prompt row, eager on the last: not the same work",
+                )
             rows.append(row)
         for members in grouped.values():
             largest = _short(max(members, key=lambda n: theirs.get(n, 0.0)))

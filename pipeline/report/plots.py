@@ -151,9 +151,9 @@ def waterfall_plot(step_parts: dict[str, dict[str, dict[str, float]]], path: Pat
 
 
 def waterfalls_figure(waterfalls: dict[str, dict[str, Any]]):
-    """Several jobs' waterfalls side by side (a sweep's parent): per phase, each job's device ms
-    per step after each step, relative to its own eager step (1.0), so models of any size share
-    an axis; a step a job did not take is left out of its line."""
+    """Several jobs' waterfalls side by side (a sweep's parent): per phase, each job's median device
+    ms per step after each step with its p10-p90 as error bars, relative to its own eager step
+    (1.0), so models of any size share an axis; a step a job did not take is left out of its line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,12 +167,17 @@ def waterfalls_figure(waterfalls: dict[str, dict[str, Any]]):
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
     for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
         for job, data in waterfalls.items():
-            steps = data["steps"]
-            eager = steps[0]["phase_ms"][phase]
-            ax.plot(
+            steps, times = data["steps"], data["time"][phase]  # times: median, p10, p90 per step
+            eager = times[0]["median"]
+            ax.errorbar(
                 [order.index(s["name"]) for s in steps],
-                [s["phase_ms"][phase] / eager for s in steps],
+                [t["median"] / eager for t in times],
+                yerr=[
+                    [(t["median"] - t["p10"]) / eager for t in times],
+                    [(t["p90"] - t["median"]) / eager for t in times],
+                ],
                 marker="o",
+                capsize=3,
                 label=job,
             )
         ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")

@@ -36,6 +36,8 @@ class StepTiming:
     seconds: float  # from the host receiving the previous step's tokens to receiving this one's
     tokens: int  # tokens this step gave sequences (0 for a prefill chunk that ends no prompt)
     fed: int = 0  # tokens it fed the model: a prefill's prompt tokens, one per sequence in decode
+    # tokens whose keys and values its attention reads: each sequence's cache after the step, summed
+    context: int = 0
 
 
 @dataclass
@@ -188,13 +190,18 @@ class DemoLLM:
                         result.requests[chunk.request.seq_id].admitted_s = time.perf_counter() - start
                 completing = [c.request for c in chunks if c.completes]
                 logits = self.runner.prefill(chunks)
-                fed = sum(c.end - c.start for c in chunks)
-                step = self._launch("prefill", completing, logits, params, generator, next(order), fed)
+                fed, context = sum(c.end - c.start for c in chunks), sum(c.end for c in chunks)
+                step = self._launch(
+                    "prefill", completing, logits, params, generator, next(order), fed, context
+                )
                 for row, request in enumerate(completing):
                     launched[request.seq_id], latest[request.seq_id] = 1, (step, row)
             elif batch := self._decoding(latest, launched, finished, max_new_tokens):
                 logits = self.runner.decode(batch, _ids(batch, latest))
-                step = self._launch("decode", batch, logits, params, generator, next(order), len(batch))
+                context = sum(len(r.prompt) + launched[r.seq_id] for r in batch)
+                step = self._launch(
+                    "decode", batch, logits, params, generator, next(order), len(batch), context
+                )
                 for row, request in enumerate(batch):
                     launched[request.seq_id] += 1
                     latest[request.seq_id] = (step, row)
@@ -212,7 +219,7 @@ class DemoLLM:
                 kept = read(done)
                 now = time.perf_counter()
                 if done.kind == "prefill" or kept:
-                    result.steps.append(StepTiming(done.kind, now - read_at, kept, done.fed))
+                    result.steps.append(StepTiming(done.kind, now - read_at, kept, done.fed, done.context))
                 if after_step:
                     after_step(done.kind)
                     now = time.perf_counter()
@@ -232,11 +239,18 @@ class DemoLLM:
 
     @staticmethod
     def _launch(
-        kind: str, batch: list[Request], logits: torch.Tensor, params, generator, index: int, fed: int
+        kind: str,
+        batch: list[Request],
+        logits: torch.Tensor,
+        params,
+        generator,
+        index: int,
+        fed: int,
+        context: int,
     ) -> _Step:
         with engine_span("sample"):
             tokens = sample(logits, params, generator) if batch else logits.new_zeros(0, dtype=torch.long)
-            return _Step(kind, batch, tokens, index, fed)
+            return _Step(kind, batch, tokens, index, fed, context)
 
 
 def _ids(batch: list[Request], latest: dict[int, tuple[_Step, int]]) -> torch.Tensor:
@@ -263,9 +277,11 @@ def _rows(step: _Step, rows: list[int]) -> torch.Tensor:
 class _Step:
     """A launched step's sampled tokens [B] on the device, and their copy on the way to the host."""
 
-    def __init__(self, kind: str, batch: list[Request], tokens: torch.Tensor, index: int, fed: int):
+    def __init__(
+        self, kind: str, batch: list[Request], tokens: torch.Tensor, index: int, fed: int, context: int
+    ):
         self.kind, self.batch, self.tokens, self.index = kind, batch, tokens, index  # index: launch order
-        self.fed = fed
+        self.fed, self.context = fed, context
         self.done: torch.cuda.Event | None = None
         if tokens.is_cuda:  # pinned: the copy runs behind the queued work, the host goes on
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

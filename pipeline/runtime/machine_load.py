@@ -139,10 +139,19 @@ def read_limit_gbs(device: torch.device, mib: int = 1024) -> float:
     return read_gbs(buffer)
 
 
-def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
-    """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / median time, the faster of ATen's matmul
-    and, on CPU, oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul):
-    the limit is the best GEMM the machine's libraries do, not the default one."""
+def gemm_tflops(
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int = 5,
+    pick: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / the picked time (the median by default;
+    `min` for a roof: slower repeats are interference), the faster of ATen's matmul and, on CPU,
+    oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul): the
+    limit is the best GEMM the machine's libraries do, not the default one."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
     kernels = [lambda: a @ b]
@@ -159,5 +168,5 @@ def gemm_tflops(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device
             kernel()
             sync(device)
             times.append(time.perf_counter() - start)
-        best = max(best, 2 * m * k * n / statistics.median(times) / 1e12)
+        best = max(best, 2 * m * k * n / pick(times) / 1e12)
     return best

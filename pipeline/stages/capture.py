@@ -68,7 +68,7 @@ def run(state: RunState) -> StageResult:
     result.metrics["capture/compile_s"] = time.perf_counter() - start
     result.metrics["capture/graphs"] = len(targets)
     if state.waterfall is not None:
-        waterfall.measure(state, state.backend, result.metrics["capture/compile_s"])
+        waterfall.step(state, state.backend, result.metrics["capture/compile_s"])
     result.metrics["capture/compiled_frames"] = compiled_frames() - frames
     state.compiled_frames = compiled_frames()
     result.notes.append(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
+from pipeline import waterfall
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
@@ -21,9 +22,9 @@ from pipeline.profiler import provenance, session, stepwise
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
-from pipeline.report.roofline import Roofs, roofline, roofline_table
+from pipeline.report.roofline import Roofs, StepShape, gemm_shapes, measured_shape, roofline, roofline_table
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.machine_load import gemm_tflops
+from pipeline.runtime.machine_load import gemm_tflops, read_limit_gbs
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import model_passes_undone, rewritten_modules
@@ -81,28 +82,36 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
         engine.eos_ids = eos
 
 
-GEMM_SIDE = 512
-
-
-def _roofs(state: RunState, profiled: session.ProfiledRun) -> Roofs:
-    """The roofs each part is set against: the read limit the generate stage measured, and the
-    GEMM rate at the MLP's shape for the profiled prefill's tokens, in the run's dtype (each side
-    at least GEMM_SIDE: a tiny model's GEMM times its call, not the machine)."""
+def _roofs(state: RunState) -> Roofs:
+    """The limits each part is set against, measured now, beside the profiled steps: the read
+    limit, and the GEMM rate at each GEMM shape the profiled prefill runs (roofline.gemm_shapes),
+    in the run's dtype, the best of its repeats. The steps' shapes are the generate stage's first
+    steps: the same workload the profile runs."""
     text = getattr(state.hf_config, "text_config", None) or state.hf_config
-    prefill = next(step for step in profiled.profiled.steps if step.kind == "prefill")
-    generated = next(r for r in state.stages if r.name == "generate")
-    return Roofs(
-        read_gbs=generated.metrics["throughput/read_limit_gbs"],
-        gemm_tflops=gemm_tflops(
-            *(max(GEMM_SIDE, n) for n in (prefill.fed, text.hidden_size, text.intermediate_size)),
-            state.dtype,
-            state.device,
-            repeats=3,
-        ),
-        prefill_tokens=prefill.fed,
-        prefill_rows=prefill.tokens,
-        decode_batch=max((step.fed for step in profiled.profiled.steps if step.kind == "decode"), default=0),
+    steps = state.generation.steps
+    prefill = next(step for step in steps if step.kind == "prefill")
+    decode = [step for step in steps if step.kind == "decode"][: state.cfg.profile.decode_steps]
+    shapes = {"prefill": StepShape(prefill.fed, prefill.tokens, prefill.context, prefill.tokens)}
+    if decode:
+        batch = max(step.fed for step in decode)
+        context = sum(step.context for step in decode) / len(decode)
+        shapes["decode"] = StepShape(batch, batch, context, batch)
+    heads = getattr(text, "num_attention_heads", 1)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    roofs = Roofs(
+        read_gbs=read_limit_gbs(state.device),
+        steps={phase: vars(shape) for phase, shape in shapes.items()},
+        kv_token_bytes=2 * kv_heads * head_dim * state.dtype.itemsize,
+        experts_per_token=getattr(text, "num_experts_per_tok", 0) or 0,
+        window=getattr(text, "sliding_window", None) or 0,
     )
+    for m, k, n in sorted(gemm_shapes(state.model, roofs)):
+        key = measured_shape(m, k, n)
+        if key not in roofs.gemm_tflops:
+            sides = [int(side) for side in key.split(",")]
+            roofs.gemm_tflops[key] = gemm_tflops(*sides, state.dtype, state.device, repeats=2, pick=min)
+    return roofs
 
 
 def _trace_dir(state: RunState):
@@ -143,6 +152,7 @@ def run(state: RunState) -> StageResult:
         raise StageFailure("nothing to profile: the generate stage built no engine")
     folder, trace_dir = state.run_dir / "profile", _trace_dir(state)
     folder.mkdir(parents=True, exist_ok=True)
+    roofs = _roofs(state)
     profiled = _profiled(state, state.engine, trace_dir, state.backend)
     categories = cfg.profile.kernel_categories
     phases = session.phases_of(profiled, categories)
@@ -157,7 +167,15 @@ def run(state: RunState) -> StageResult:
         extra["comparison"] = comparison(phases, eager_phases, rewritten=rewritten, fused=fused, graphs=paths)
     elif cfg.profile.reference == "eager":
         notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
-    roofs = _roofs(state, profiled)
+    if state.waterfall is not None:  # the profile's own measurements are the first round's ends
+        last = len(state.waterfall.steps) - 1
+        first = {0: extra["reference"]["phases"], last: phases} if "reference" in extra else {}
+        state.waterfall.profile_speedup = {
+            phase: rows[-1]["speedup"]
+            for phase, rows in extra.get("comparison", {}).items()
+            if rows[-1]["speedup"] is not None
+        }
+        waterfall.rounds(state, first)
     extra["roofline"] = {"roofs": vars(roofs), "phases": roofline(phases, state.model, roofs)}
     files, printed = session.write(
         folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra
@@ -233,32 +251,46 @@ def run(state: RunState) -> StageResult:
 
 
 def _write_waterfall(state: RunState, result: StageResult) -> None:
-    """waterfall/: the steps as JSON and a table, the stacked-bar plot; metrics
-    waterfall/<step>/<phase>_ms, an MLflow table, and the table in the log."""
-    steps = state.waterfall.steps
+    """waterfall/: the steps as JSON and a table, the stacked-bar plot of median part times;
+    metrics waterfall/<step>/<phase>_ms (median) and _share, an MLflow table, and the table in the
+    log; what the rounds cannot vouch for as notes in the summary."""
+    fall = state.waterfall
+    steps = fall.steps
     folder = state.run_dir / "waterfall"
     folder.mkdir(parents=True, exist_ok=True)
-    text = stepwise.table(state.waterfall)
+    text = stepwise.table(fall)
     (folder / "waterfall.txt").write_text(text + "\n")
-    (folder / "waterfall.json").write_text(json.dumps(state.waterfall.as_dict(), indent=1))
+    (folder / "waterfall.json").write_text(json.dumps(fall.as_dict(), indent=1))
     plot = waterfall_plot(
-        {phase: {s.name: s.part_ms[phase] for s in steps} for phase in stepwise.PHASES},
+        {phase: {s.name: s.part_median(phase) for s in steps} for phase in stepwise.PHASES},
         folder / "waterfall.png",
     )
     result.artifacts += [folder / "waterfall.txt", folder / "waterfall.json", plot, folder / "graphs"]
     result.images["waterfall"] = plot
-    shares = {phase: state.waterfall.shares(phase) for phase in stepwise.PHASES}
-    first = state.waterfall.first_drift()
+    shares = {phase: fall.shares(phase) for phase in stepwise.PHASES}
+    noisy = {phase: fall.noisy(phase) for phase in stepwise.PHASES}
+    first = fall.first_drift()
+    columns: dict[str, list] = {"step": [s.name for s in steps]}
+    for phase in stepwise.PHASES:
+        times = [s.time(phase) for s in steps]
+        columns |= {
+            f"{phase}_ms": [t.median for t in times],
+            f"{phase}_p10_ms": [t.p10 for t in times],
+            f"{phase}_p90_ms": [t.p90 for t in times],
+            f"{phase}_share": shares[phase],
+            f"{phase}_noisy": noisy[phase],
+        }
     result.tables["tables/waterfall.json"] = {
-        "step": [s.name for s in steps],
-        **{f"{phase}_ms": [s.phase_ms[phase] for s in steps] for phase in stepwise.PHASES},
-        **{f"{phase}_share": shares[phase] for phase in stepwise.PHASES},
+        **columns,
         "cost_s": [s.cost_s for s in steps],
-        "memory_mb": [s.memory_mb for s in steps],
+        "memory_mib": [s.memory_mib for s in steps],
         "nodes": [s.nodes for s in steps],
         "first_drift": [", ".join(p for p, at in first.items() if at == s.name) for s in steps],
     }
-    for step in steps:
+    for i, step in enumerate(steps):
         for phase in stepwise.PHASES:
-            result.metrics[f"waterfall/{step.name}/{phase}_ms"] = step.phase_ms[phase]
+            result.metrics[f"waterfall/{step.name}/{phase}_ms"] = step.time(phase).median
+            if shares[phase][i] is not None:
+                result.metrics[f"waterfall/{step.name}/{phase}_share"] = shares[phase][i]
+    result.metrics["waterfall/rounds"] = fall.rounds
     result.notes += text.splitlines()

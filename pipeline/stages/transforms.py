@@ -78,7 +78,7 @@ def _stepwise(state: RunState, transforms, ctx, history: registry.TransformHisto
         records = history.records[done:]
         if any(r.matches for r in records):
             name = "graph_and_cache" if group[0].name in waterfall.DECODING else group[0].name
-            waterfall.measure(state, name, sum(r.seconds for r in records))
+            waterfall.step(state, name, sum(r.seconds for r in records))
 
 
 def _report(state: RunState, history: registry.TransformHistory, result: StageResult) -> None:

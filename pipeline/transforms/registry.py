@@ -184,6 +184,7 @@ class TransformRecord:
     scope: str = ""  # subgraph | model: the pass this record is of
     unmatched: list[str] = field(default_factory=list)  # candidates left, and where each stopped
     matched: list[str] = field(default_factory=list)  # what each match was, where the transform says
+    replaced: list[str] = field(default_factory=list)  # scope model: the eager modules it put in place
 
 
 @dataclass
@@ -228,8 +229,9 @@ class _Tables:
             module._parameters, module._buffers, module._modules = params, buffers, modules
 
 
-class _Snapshot(_Tables):
-    """Enough of a module tree to undo a failed rewrite: its graphs and its attribute tables."""
+class Snapshot(_Tables):
+    """Enough of a module tree to put it back as it is now: its graphs and its attribute tables (to
+    undo a failed rewrite, or to run a waterfall step again)."""
 
     def __init__(self, root: nn.Module):
         super().__init__(root)
@@ -283,7 +285,8 @@ def _apply_one(
     transform: Transform, scope: str, name: str, target: nn.Module, ctx: TransformContext
 ) -> TransformRecord:
     record = TransformRecord(transform.name, name, "applied", scope=scope, nodes_before=_node_count(target))
-    snapshot = _Snapshot(target)
+    snapshot = Snapshot(target)
+    children = {path: (m, dict(m._modules)) for path, m in eager_modules(target)} if scope == "model" else {}
     start = time.perf_counter()
     try:
         if scope == "model":
@@ -303,10 +306,24 @@ def _apply_one(
     if record.status == "applied":
         record.unmatched = transform.unmatched(target) if scope == "subgraph" else transform.unmatched_model()
         record.matched = transform.matched()
+        if scope == "model":
+            record.replaced = _replaced(target, children)
         if record.unmatched and not record.matches:
             more = f" (and {len(record.unmatched) - 1} more)" if len(record.unmatched) > 1 else ""
             record.reason = f"nothing matched: {record.unmatched[0]}{more}"
     return record
+
+
+def _replaced(model: nn.Module, before: dict[str, tuple[nn.Module, dict[str, nn.Module]]]) -> list[str]:
+    """The paths whose module is another than `before` (path -> the module there and its children)
+    had."""
+    return [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        if path in before and before[path][0] is module
+        for name, child in module._modules.items()
+        if before[path][1].get(name) is not child
+    ]
 
 
 def eager_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -321,18 +338,23 @@ def eager_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def rewritten_modules(model: nn.Module, history: TransformHistory | None) -> dict[str, str]:
-    """Path -> the model-scope transforms that matched, for each eager module those passes put in
-    place of Hugging Face's (OneDNNLinear for nn.Linear, ...): parts whose work is the rewrite's,
-    not capture's."""
+    """Path -> the model-scope transforms that put it in place, for each eager module those passes
+    put in place of Hugging Face's (OneDNNLinear for nn.Linear, ...): parts whose work is the
+    rewrite's, not capture's. Each path is named with the pass that replaced it (the history's
+    `replaced`), not every pass that matched somewhere."""
     if history is None or history.eager_tables is None:
         return {}
     before = {id(module): children for module, _, _, children in history.eager_tables.tables}
-    passes = sorted({r.transform for r in history.records if r.scope == "model" and r.matches})
+    by_path: dict[str, list[str]] = {}
+    for record in history.records:
+        for path in record.replaced:
+            by_path.setdefault(path, []).append(record.transform)
     rewritten = {}
     for path, module in eager_modules(model):
         for name, child in module._modules.items():
             if id(module) in before and before[id(module)].get(name) is not child:
-                rewritten[f"{path}.{name}" if path else name] = ", ".join(passes)
+                full = f"{path}.{name}" if path else name
+                rewritten[full] = ", ".join(dict.fromkeys(by_path.get(full, ["a model-scope pass"])))
     return rewritten
 
 

@@ -207,3 +207,29 @@ def test_the_registry_finishes_every_graph_rewrite():
     assert record.status == "applied" and record.matches == 1
     assert not any(n.target is torch.neg for n in gm.graph.nodes)
     torch.testing.assert_close(gm(x), expected)
+
+
+def test_each_rewritten_module_is_named_with_the_pass_that_replaced_it():
+    """Two model-scope passes each replace one eager linear: each module is named with its own pass
+    (the comparison's "rewritten by"), not with every pass that matched anywhere."""
+
+    def replacing(transform_name: str, child: str) -> type[registry.Transform]:
+        class Replace(registry.Transform):
+            name = transform_name
+            scopes = ("model",)
+
+            def apply_model(self, model, ctx):
+                setattr(model, child, nn.Linear(3, 3))
+                return 1
+
+        return Replace
+
+    model = nn.Module()
+    model.graph = fx.symbolic_trace(nn.Linear(3, 3))
+    model.a, model.b, model.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    config = registry.TransformConfig(scope="model")
+    transforms = [replacing("test_replace_a", "a")(config), replacing("test_replace_b", "b")(config)]
+    history = registry.TransformHistory()
+    registry.run_transforms(model, transforms, transform_context(), history)
+    assert [r.replaced for r in history.records] == [["a"], ["b"]]
+    assert registry.rewritten_modules(model, history) == {"a": "test_replace_a", "b": "test_replace_b"}
