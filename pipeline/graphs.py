@@ -128,6 +128,18 @@ def set_record(gm: fx.GraphModule, record: GraphRecord) -> None:
     gm.meta[RECORD_KEY] = record
 
 
+# The nn_module_stack entry torch.export gives a node made outside any module (a hook's, a
+# decomposition's): no module the model holds
+EXPORT_PLACEHOLDER = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """The paths of the modules a graph node ran under, outermost first (export's placeholder left
+    out)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _ in stack.values() if path and path != EXPORT_PLACEHOLDER]
+
+
 def find_graphs(model: nn.Module) -> list[tuple[str, fx.GraphModule]]:
     """Every captured GraphModule in the model, outermost only ("root" when the model is one)."""
     found: list[tuple[str, fx.GraphModule]] = []

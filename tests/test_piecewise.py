@@ -52,6 +52,9 @@ def test_the_split_is_recorded_and_cuts_at_every_layout_op():
     assert record.matches == 2 and record.matched[1].startswith("segment 1 layout:")
     assert "layers.0" in record.matched[1] and "layers.1" in record.matched[3]
     assert len(runner.segments) == 3
+    # Segment labels name modules the language model holds, never a torch internal
+    held = dict(record_of(graph).original.named_modules())
+    assert all(module in held for s in segments for module in s.modules), [s.modules for s in segments]
 
 
 def test_pieces_compute_the_full_graph_on_a_mixed_step():
@@ -90,7 +93,11 @@ def test_capturing_backends_dispatch_and_pad_on_cpu(backend):
     prompt_tokens = sum(len(r.prompt) for r in requests)
     report = runner.report()
     assert [r["bucket"] for r in report["rows"]] == [64] and report["rows"][0]["tokens"] == prompt_tokens
-    assert report["rows"][0]["padded_tokens"] == 64 and report["decode_steps"] == 4
+    # Read from the tensors the segments received: every static segment ran the bucket's 64 tokens
+    (row,) = report["rows"]
+    assert row["padded_tokens"] == 64 and row["segment_tokens"] == [64] and report["decode_steps"] == 4
+    assert row["segment_calls"] == len(runner.segments) and report["suggested"][-1] == runner.max_tokens
+    assert report["suggested_from_steps"] == 1
     long = _requests(hf_config, [70], images=False)
     assert engine.generate(long, 2, SamplingParams(), seed=0).tokens == _hf_generate(name, long, 2)
     assert runner.report()["uncaptured"] == {"more tokens than the largest bucket (64)": 1}
@@ -99,12 +106,15 @@ def test_capturing_backends_dispatch_and_pad_on_cpu(backend):
 def test_suggested_buckets_cut_padding_within_the_budget():
     observed = [60, 60, 60, 20, 20, 9]
     buckets = [16, 32, 64]
-    assert piecewise.wasted(observed, buckets) == 3 * 4 + 2 * 12 + 7
-    suggested, waste = piecewise.suggest(observed, buckets)
-    assert suggested == [9, 20, 60] and waste == 0  # three buckets, sum 89 <= 112
-    suggested, waste = piecewise.suggest(observed, [64])  # one bucket, sum 64: the largest observed
-    assert suggested == [60] and waste == 2 * 40 + 51
-    assert piecewise.suggest([100], [64]) == ([64], 0)  # nothing fit: nothing to suggest
+    # The last bucket always runtime.max_num_tokens (64): a longer step than any seen still runs the
+    # pieces; below it no more buckets than now (2), summing to no more (48)
+    suggested, waste = piecewise.suggest(observed, buckets, 64)
+    assert suggested == [9, 20, 64] and waste == 3 * 4
+    suggested, waste = piecewise.suggest([60], [64], 64)  # one step seen: never [60] alone
+    assert suggested == [64] and waste == 4
+    suggested, waste = piecewise.suggest(observed, [16, 32, 64, 128], 128)
+    assert suggested == [9, 20, 60, 128] and waste == 0
+    assert piecewise.suggest([100], [64], 64) == ([64], 0)  # nothing fit: nothing to suggest
 
 
 def _pipeline_overrides(name: str, extra: list[str]) -> list[str]:
@@ -241,3 +251,27 @@ def test_a_whole_model_graph_keeps_its_logits_in_a_head_segment(capture_head, tm
         tokens = generated_tokens(tmp_path)
     expected = _hf_generate(name, requests, 6)
     assert tokens == {r.seq_id: expected[r.seq_id] for r in requests}
+
+
+def test_a_segment_input_that_does_not_follow_the_tokens_is_refused_before_capture():
+    """Mllama's cross-attention mask [B, 1, T, N] has the vision states' count N, which changes from
+    step to step within one token bucket: a replay would meet another shape mid-run. Installing the
+    pieces for CUDA graphs refuses it at once, naming the input, before any capture (here on CPU:
+    the refusal comes before anything asks for a GPU); uncaptured pieces are left to run."""
+    engine, hf_config = _engine("tiny_mllama")
+    ctx = transform_context(page_size=PAGE, hf_config=hf_config)
+    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, registry.TransformHistory())
+    graph = engine.runner.graph
+    options = dict(scratch_page=0, page_size=PAGE, capture_head=False, compile_segment=None, max_tokens=64)
+    with pytest.raises(ValueError, match=r"segment_\d's input cross_attention_mask \[.*\] is copied"):
+        piecewise.install(graph, [16, 64], use_graphs=True, **options)
+    assert "piecewise_runner" not in graph._modules
+    # A graph whose copied inputs all follow the tokens has nothing to refuse
+    engine, hf_config = _engine("tiny_mistral3")
+    ctx = transform_context(page_size=PAGE, hf_config=hf_config)
+    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, registry.TransformHistory())
+    graph = engine.runner.graph
+    record = record_of(graph)
+    kinds = {f"segment_{s.index}": s.kind for s in record.segments}
+    caches = frozenset(spec.input_name for spec in record.cache_specs)
+    assert piecewise.not_per_token(graph, piecewise.split(graph), kinds, caches) == []

@@ -63,6 +63,7 @@ def apply(
                 capture_head=config.piecewise_capture_lm_head,
                 compile_segment=compile_module if backend in COMPILING else None,
                 use_graphs=on_cuda and backend in CAPTURING,
+                max_tokens=runtime.max_num_tokens,
             )
     return runners
 

@@ -103,10 +103,12 @@ class BucketUse:
 
     steps: int = 0
     tokens: int = 0  # real tokens over its steps
+    # read from the tensors the static segments received: the tokens each step's segments ran
+    # (padding included), how many segment calls, and every token count a segment saw
+    padded_tokens: int = 0
+    segment_calls: int = 0
+    received: set[int] = field(default_factory=set)
     seconds: list[float] = field(default_factory=list)
-
-    def padded(self, bucket: int) -> int:
-        return bucket * self.steps
 
 
 @dataclass
@@ -125,6 +127,19 @@ class PiecewiseStats:
         self.pending.clear()
 
 
+def _tokens_received(args: tuple[Any, ...]) -> int:
+    """The packed tokens a segment call received: the token dim of its [1, T, ...] (or multimodal
+    [3, 1, T]) tensor inputs, the largest."""
+    sizes = [0]
+    for value in args:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            if value.dim() == 3 and tuple(value.shape[:2]) == (3, 1):
+                sizes.append(value.shape[2])
+            elif value.shape[0] == 1:
+                sizes.append(value.shape[1])
+    return max(sizes)
+
+
 class StaticSegment:
     """One static segment's calls per bucket: its forward as it is or compiled, or its CUDA graph
     per bucket (captured at the bucket's first call, into the shared pool)."""
@@ -138,6 +153,8 @@ class StaticSegment:
 
     def __call__(self, *args: Any) -> Any:
         runner = self.runner
+        if runner.bucket is not None:
+            runner.received.append(_tokens_received(args))
         if not runner.use_graphs or runner.bucket is None:
             return self.forward(*args)
         bucket = runner.bucket
@@ -187,9 +204,12 @@ class PiecewiseRunner(nn.Module):
         page_size: int,
         caches: frozenset[str],
         use_graphs: bool,
+        max_tokens: int,
     ):
         super().__init__()
         self.pieces, self.full_fn = pieces, full_fn
+        self.max_tokens = max_tokens  # runtime.max_num_tokens: the suggested set's last bucket
+        self.received: list[int] = []  # tokens each static segment of the running step received
         self.kinds: dict[str, str] = {}  # segment module name -> static | layout | head (install)
         self.buckets = sorted(set(buckets))
         self.scratch_page, self.page_size, self.caches = scratch_page, page_size, caches
@@ -222,8 +242,12 @@ class PiecewiseRunner(nn.Module):
         first = bucket not in self.buffers
         reserved = torch.cuda.memory_reserved() if self.use_graphs and first else 0
         timer = self._start()
+        self.received = []
         output = self.pieces(**self._padded(inputs, tokens, bucket))
         self._stop(bucket, use, timer)
+        use.padded_tokens += max(self.received, default=0)
+        use.segment_calls += len(self.received)
+        use.received.update(self.received)
         if self.use_graphs and first:
             self.pool_by_bucket[bucket] = torch.cuda.memory_reserved() - reserved
         use.steps += 1
@@ -294,27 +318,30 @@ class PiecewiseRunner(nn.Module):
         rows = []
         for bucket in sorted(stats.buckets):
             use = stats.buckets[bucket]
-            padded = use.padded(bucket)
+            padded = use.padded_tokens
             rows.append(
                 {
                     "bucket": bucket,
                     "steps": use.steps,
                     "tokens": use.tokens,
                     "padded_tokens": padded,
+                    "segment_calls": use.segment_calls,
+                    "segment_tokens": sorted(use.received),
                     "padding_pct": 100 * (padded - use.tokens) / padded if padded else 0.0,
                     "mean_ms": 1000 * sum(use.seconds) / len(use.seconds) if use.seconds else None,
                     "pool_mb": self.pool_by_bucket.get(bucket, 0) / 2**20,
                 }
             )
-        suggested, suggested_waste = suggest(stats.observed, self.buckets)
+        suggested, suggested_waste = suggest(stats.observed, self.buckets, self.max_tokens)
         return {
             "segments_run": self.segments_run,
             "buckets": self.buckets,
             "rows": rows,
             "decode_steps": stats.decode_steps,
             "uncaptured": dict(stats.uncaptured),
-            "padding_tokens": wasted(stats.observed, self.buckets),
+            "padding_tokens": sum(r["padded_tokens"] - r["tokens"] for r in rows),
             "suggested": suggested,
+            "suggested_from_steps": sum(1 for t in stats.observed if t <= self.max_tokens),
             "suggested_padding_tokens": suggested_waste,
             "pool_mb": self.pool_bytes() / 2**20,
         }
@@ -339,12 +366,23 @@ def install(
     capture_head: bool,
     compile_segment: Callable[[fx.GraphModule], None] | None,
     use_graphs: bool,
+    max_tokens: int,
 ) -> PiecewiseRunner:
     """Put a PiecewiseRunner behind the graph's kwargs adapter, in front of the forward the graph
     has now (the decode runner's, or the compiled graph's). compile_segment: what the compiling
     backends do to each static segment (and the head) before it is wrapped."""
     record = record_of(graph)
     pieces = split(graph)
+    if use_graphs:  # before any capture: a replay reads its inputs at the shapes it was captured at
+        kinds = {f"segment_{s.index}": s.kind for s in record.segments}
+        if bad := not_per_token(
+            graph, pieces, kinds, frozenset(spec.input_name for spec in record.cache_specs)
+        ):
+            raise ValueError(
+                f"backend.piecewise: {bad[0]} is copied into a segment's captured buffer but its shape "
+                "does not follow the step's tokens, so a replay would meet another shape; run without "
+                "backend.piecewise"
+            )
     runner = PiecewiseRunner(
         pieces,
         graph.forward,
@@ -353,6 +391,7 @@ def install(
         page_size,
         frozenset(spec.input_name for spec in record.cache_specs),
         use_graphs,
+        max_tokens,
     )
     runner.compiled = compile_segment is not None
     kinds = runner.kinds = {f"segment_{s.index}": s.kind for s in record.segments}
@@ -385,6 +424,34 @@ def install(
     return runner
 
 
+def not_per_token(
+    graph: fx.GraphModule, pieces: fx.GraphModule, kinds: dict[str, str], caches: frozenset[str]
+) -> list[str]:
+    """The inputs a static segment's replay would copy (graph inputs other than the caches, layout
+    outputs) whose shapes, as export recorded them, have a size other than the token inputs'
+    (`<segment>'s input <name> [shape]`): such an input changes shape between steps of one bucket."""
+    token_inputs = [
+        n for n in graph.graph.nodes if n.op == "placeholder" and n.target in ("input_ids", "inputs_embeds")
+    ]
+    allowed = {
+        str(d) for n in token_inputs if isinstance(v := n.meta.get("val"), torch.Tensor) for d in v.shape
+    }
+    produced_by_layout = _layout_values(pieces, kinds)
+    bad = []
+    for node in pieces.graph.nodes:
+        if node.op != "call_module" or kinds[node.target] != "static":
+            continue
+        placeholders = [n for n in pieces.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        for arg, placeholder in zip(node.args, placeholders, strict=True):
+            copied = arg in produced_by_layout or (arg.op == "placeholder" and arg.target not in caches)
+            value = placeholder.meta.get("val")
+            if not copied or not isinstance(value, torch.Tensor):
+                continue
+            if any(not isinstance(d, int) and str(d) not in allowed for d in value.shape):
+                bad.append(f"{node.target}'s input {placeholder.name} {list(value.shape)}")
+    return bad
+
+
 def _class_forward(module: fx.GraphModule) -> Callable[..., Any]:
     return lambda *args: type(module).forward(module, *args)
 
@@ -399,36 +466,29 @@ def _layout_values(pieces: fx.GraphModule, kinds: dict[str, str]) -> set[fx.Node
     }
 
 
-def suggest(observed: list[int], buckets: list[int]) -> tuple[list[int], int]:
-    """The bucket set that would have padded the observed steps least, with no more buckets than now
-    and a sum of sizes no larger (the pool holds every bucket's segment outputs, so it grows with
-    the sum), every step that fit before still fitting; and the padding it would have wasted.
+def suggest(observed: list[int], buckets: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """The bucket set that would have padded the observed steps least, always ending at max_tokens
+    (runtime.max_num_tokens), so a step longer than any seen still runs the pieces, with no more
+    buckets below it than now below the largest and a sum of those no larger (the pool holds every
+    bucket's segment outputs, so it grows with the sum); and the padding it would have wasted.
     Buckets are drawn from the observed sizes (an optimal set never needs others), searched whole
-    over the 12 most frequent ones and the largest."""
-    fitting = sorted(t for t in observed if t <= buckets[-1])
+    over the 12 most frequent ones."""
+    fitting = sorted(t for t in observed if t <= max_tokens)
     if not fitting:
         return list(buckets), 0
     counts = Counter(fitting)
-    largest = max(counts)
-    candidates = sorted({largest, *(t for t, _ in counts.most_common(12))})
-    budget, limit = sum(buckets), len(buckets)
-    others = [t for t in candidates if t != largest]
+    others = sorted({t for t, _ in counts.most_common(12)} - {max_tokens})
+    budget, limit = sum(buckets) - max(buckets), len(buckets) - 1
     best: tuple[int, list[int]] | None = None
     for mask in range(1 << len(others)):
-        chosen = [t for i, t in enumerate(others) if mask >> i & 1] + [largest]
-        if len(chosen) > limit or sum(chosen) > budget:
+        below = [t for i, t in enumerate(others) if mask >> i & 1]
+        if len(below) > limit or sum(below) > budget:
             continue
+        chosen = [*below, max_tokens]
         waste = sum(n * (chosen[bisect.bisect_left(chosen, t)] - t) for t, n in counts.items())
         if best is None or waste < best[0] or (waste == best[0] and len(chosen) < len(best[1])):
             best = (waste, chosen)
-    if best is None:  # the largest observed alone is over the budget: keep what there is
-        return list(buckets), wasted(fitting, buckets)
-    return best[1], best[0]
-
-
-def wasted(observed: list[int], buckets: list[int]) -> int:
-    """Padding tokens of the observed steps under a bucket set (steps past it not counted)."""
-    return sum(b - t for t in observed if (b := pick_bucket(t, buckets)) is not None)
+    return best[1], best[0]  # [max_tokens] alone always fits
 
 
 def runners(model: nn.Module) -> list[PiecewiseRunner]:

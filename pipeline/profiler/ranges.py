@@ -26,14 +26,13 @@ from contextlib import contextmanager
 import torch
 from torch import fx, nn
 
-from pipeline.graphs import find_graphs, range_name
+from pipeline.graphs import EXPORT_PLACEHOLDER, find_graphs, range_name
 
 ENTER = torch.ops.profiler._record_function_enter_new.default
 EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
 # The stack export gives nodes it adds itself (shape guards); no module ran them.
-EXPORT_PLACEHOLDER = "_empty_nn_module_stack_from_metadata_hook"
 
 
 def node_stack(node: fx.Node) -> list[tuple[str, str, str]] | None:

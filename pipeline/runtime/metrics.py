@@ -168,9 +168,11 @@ def piecewise_metrics(report: dict) -> tuple[dict[str, float], list[str]]:
         and report["suggested_padding_tokens"] < report["padding_tokens"]
     ):
         notes.append(
-            f"suggested backend.piecewise_tokens=[{','.join(map(str, report['suggested']))}]: "
-            f"{report['suggested_padding_tokens']} padding tokens instead of {report['padding_tokens']} "
-            "on these steps, no more buckets and no larger a sum of sizes (the pool grows with it)"
+            f"suggested backend.piecewise_tokens=[{','.join(map(str, report['suggested']))}], fitted to "
+            f"{report['suggested_from_steps']} step(s): {report['suggested_padding_tokens']} padding tokens "
+            f"instead of {report['padding_tokens']} on these steps, runtime.max_num_tokens kept last, below "
+            "it no more buckets and no larger a sum of sizes (the pool grows with it); fit it on a "
+            "workload of the prompt lengths you serve (docs/capture-backends.md)"
         )
     return metrics, notes
 

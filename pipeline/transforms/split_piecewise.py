@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from pipeline.attention import LAYOUT_OPS
-from pipeline.graphs import SEGMENT, Segment, record_of
+from pipeline.graphs import SEGMENT, Segment, module_paths, record_of
 from pipeline.transforms.registry import Transform, TransformContext
 
 
@@ -41,8 +41,8 @@ def _reads_vocabulary_weight(node: fx.Node, gm: fx.GraphModule, vocab_size: int)
 
 
 def _innermost_module(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    return next(reversed(stack.values()))[0] if stack else None
+    paths = module_paths(node)
+    return paths[-1] if paths else None
 
 
 def mark_segments(gm: fx.GraphModule, vocab_size: int | None) -> list[Segment]:
