@@ -378,7 +378,12 @@ def test_each_part_is_set_against_the_longer_of_its_read_and_gemm_times():
         gemm_tflops={"1000,1024,1024": 1.0, "1000,1024,256": 1.0},
         kv_token_bytes=512,
     )
-    assert gemm_shapes(model, roofs) == {(1000, 1024, 1024), (1000, 1024, 256)}
+    shapes = gemm_shapes(model, roofs)  # measured on the model's own weights of each shape
+    assert {key: (m, k, n) for key, (m, k, n, _) in shapes.items()} == {
+        "1000,1024,1024": (1000, 1024, 1024),
+        "1000,1024,256": (1000, 1024, 256),
+    }
+    assert shapes["1000,1024,1024"][3].data_ptr() == layer.mlp.weight.data_ptr()
     prefill = _summary({mlp: 3000.0, attn: 100.0, norm: 5.0, "model.vision_tower": 50.0})
     decode = _summary({mlp: 100.0, attn: 1.0, norm: 5.0, "model.vision_tower": 50.0})
     rows = roofline(

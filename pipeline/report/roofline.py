@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from pipeline.report.breakdown import MEASURABLE_US, bucket_of, module_buckets, part_of
@@ -130,18 +131,30 @@ def work(model: nn.Module, buckets: set[str], phase: str, roofs: Roofs) -> dict[
 _LAYER_CHILD = re.compile(r"^(.*\.layers)\.\d+\.([^.]+)")
 
 
-def gemm_shapes(model: nn.Module, roofs: Roofs) -> set[tuple[int, int, int]]:
-    """The GEMMs (m, k, n) the prefill's counted parts run: what the profile stage measures."""
+def gemm_shapes(model: nn.Module, roofs: Roofs) -> dict[str, tuple[int, int, int, torch.Tensor | None]]:
+    """The GEMMs the prefill's counted parts run, as the profile stage measures them: measured_shape
+    -> (m, k, n, a weight of that shape to multiply, or None where a side is below GEMM_FLOOR and
+    the measured GEMM is larger than any weight)."""
     if "prefill" not in roofs.steps:
-        return set()
+        return {}
     buckets = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
         module = name.rsplit(".", 1)[0] if "." in name else ""
         child = _LAYER_CHILD.match(module)  # a decoder layer's child, as module_buckets has it
         buckets.add(f"{child.group(1)}.*.{child.group(2)}" if child else module)
-    return {
-        (m, k, n) for part in work(model, buckets, "prefill", roofs).values() for m, k, n, _ in part.gemms
+    by_shape = {
+        (param.shape[-1], param.shape[-2]): param
+        for param in model.parameters()
+        if param.dim() >= 2 and min(param.shape[-2:]) >= GEMM_FLOOR
     }
+    shapes = {}
+    for part in work(model, buckets, "prefill", roofs).values():
+        for m, k, n, _ in part.gemms:
+            weight = by_shape.get((k, n))
+            weight = weight.detach().reshape(-1, n, k)[0] if weight is not None else None
+            sides = (max(GEMM_FLOOR, m), max(GEMM_FLOOR, k), max(GEMM_FLOOR, n))
+            shapes[measured_shape(m, k, n)] = (*sides, weight)
+    return shapes
 
 
 def _gemm_s(gemms: list[tuple[int, int, int, float]], roofs: Roofs, decode: bool) -> float:

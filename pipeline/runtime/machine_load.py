@@ -147,20 +147,25 @@ def gemm_tflops(
     device: torch.device,
     repeats: int = 5,
     pick: Callable[[list[float]], float] = statistics.median,
+    weight: torch.Tensor | None = None,
+    warm_up: bool = True,
 ) -> float:
     """[m, k] x [k, n] at the model's shapes: 2mkn FLOPs / the picked time (the median by default;
-    `min` for a roof: slower repeats are interference), the faster of ATen's matmul and, on CPU,
-    oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's matmul): the
-    limit is the best GEMM the machine's libraries do, not the default one."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
-    kernels = [lambda: a @ b]
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        weight = b.t().contiguous()  # [n, k], as nn.Linear stores it
+    `min` for a roof: slower repeats are interference), the faster of ATen's linear and, on CPU,
+    oneDNN's inner product (the kernel onednn_linear runs, often faster than MKL's): the limit is
+    the best GEMM the machine's libraries do, not the default one. weight: an [n, k] tensor to
+    multiply (a model's own, as nn.Linear stores it), else one of ones is made. warm_up=False:
+    the first call is timed too (with pick=min a slower first call costs nothing but its time)."""
+    a = torch.ones(m, k, dtype=dtype, device=device)
+    if weight is None:
+        weight = torch.ones(n, k, dtype=dtype, device=device)
+    kernels = [lambda: torch.nn.functional.linear(a, weight)]
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and weight.is_contiguous():
         kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""))
     best = 0.0
     for kernel in kernels:
-        kernel()
+        if warm_up:
+            kernel()
         times = []
         for _ in range(repeats):
             sync(device)

@@ -22,7 +22,7 @@ from pipeline.profiler import provenance, session, stepwise
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
-from pipeline.report.roofline import Roofs, StepShape, gemm_shapes, measured_shape, roofline, roofline_table
+from pipeline.report.roofline import Roofs, StepShape, gemm_shapes, roofline, roofline_table
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import gemm_tflops, read_limit_gbs
 from pipeline.runtime.sampling import SamplingParams
@@ -84,9 +84,11 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
 
 def _roofs(state: RunState) -> Roofs:
     """The limits each part is set against, measured now, beside the profiled steps: the read
-    limit, and the GEMM rate at each GEMM shape the profiled prefill runs (roofline.gemm_shapes),
-    in the run's dtype, the best of its repeats. The steps' shapes are the generate stage's first
-    steps: the same workload the profile runs."""
+    limit (the higher of this one and the generate stage's: the host's read rate swings between
+    measurements, and a roof is the best it reaches), and the GEMM rate at each GEMM shape the
+    profiled prefill runs (roofline.gemm_shapes) on the model's own weight of that shape, in the
+    run's dtype, the best of its calls. The steps' shapes are the generate stage's first steps:
+    the same workload the profile runs."""
     text = getattr(state.hf_config, "text_config", None) or state.hf_config
     steps = state.generation.steps
     prefill = next(step for step in steps if step.kind == "prefill")
@@ -99,18 +101,18 @@ def _roofs(state: RunState) -> Roofs:
     heads = getattr(text, "num_attention_heads", 1)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    generated = next(r for r in state.stages if r.name == "generate")
     roofs = Roofs(
-        read_gbs=read_limit_gbs(state.device),
+        read_gbs=max(read_limit_gbs(state.device), generated.metrics.get("throughput/read_limit_gbs", 0.0)),
         steps={phase: vars(shape) for phase, shape in shapes.items()},
         kv_token_bytes=2 * kv_heads * head_dim * state.dtype.itemsize,
         experts_per_token=getattr(text, "num_experts_per_tok", 0) or 0,
         window=getattr(text, "sliding_window", None) or 0,
     )
-    for m, k, n in sorted(gemm_shapes(state.model, roofs)):
-        key = measured_shape(m, k, n)
-        if key not in roofs.gemm_tflops:
-            sides = [int(side) for side in key.split(",")]
-            roofs.gemm_tflops[key] = gemm_tflops(*sides, state.dtype, state.device, repeats=2, pick=min)
+    for key, (m, k, n, weight) in sorted(gemm_shapes(state.model, roofs).items()):
+        roofs.gemm_tflops[key] = gemm_tflops(
+            m, k, n, state.dtype, state.device, 2, min, weight, warm_up=False
+        )
     return roofs
 
 
