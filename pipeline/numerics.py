@@ -7,6 +7,11 @@ largest magnitude against the dtype's tolerance (correctness.TOLERANCE); the fir
 in the order a forward runs them, is named. Tokens an MoE router decided by a near-tie in eager
 are left out, as the logits check leaves them out (correctness.NEAR_TIE_ULPS).
 
+A decode step is compared too, through the program generation runs: one request of the text
+call's first row, prefilled then decoded one token by demollm (Hugging Face's eager model under
+the eager runner, as generate runs it, for the reference; the captured model under the paged
+runner, its cache and its backend), each part's output read at the decode step (`decode_parts`).
+
 Eager parts are read with forward hooks. A decoder layer inside a captured graph has no module to
 hook: export tags the node whose value is the layer's output (`layer_output` in its meta), graph
 rewrites carry the tag to the node that takes its place (transforms/graph.replace), and a copy of
@@ -119,6 +124,64 @@ def recorded(model: nn.Module, paths: list[str]) -> Iterator[dict[str, torch.Ten
     finally:
         for handle in hooks:
             handle.remove()
+
+
+@dataclass
+class DecodeParts:
+    """Each part's output at one decode step, and the tokens the request generated (the decode
+    step's input is the first)."""
+
+    prompt: list[int]
+    parts: dict[str, torch.Tensor]
+    tokens: list[int]
+
+
+def decode_parts(
+    model: nn.Module,
+    hf_config,
+    runtime,
+    device: torch.device,
+    prompt: list[int],
+    parts: list[str],
+    compile_copy,
+) -> DecodeParts:
+    """Prefill `prompt` and decode one token with demollm on the model as it is (greedy), reading
+    each part's output at the decode step: eager modules by forward hooks, the layers inside a
+    captured graph by its tapped copy (compile_copy applied to it), run on the kwargs the graph
+    received at that step, before the graph runs it (the copy writes the step's keys and values
+    into the cache where the graph writes them too)."""
+    from pipeline.runtime.engine import DemoLLM
+    from pipeline.runtime.requests import Request
+    from pipeline.runtime.sampling import SamplingParams
+
+    engine = DemoLLM(model, hf_config, runtime, device, eos_ids=set())
+    inside: dict[str, torch.Tensor] = {}
+    copies = {}
+    hooks = []
+    steps: list[str] = []
+    for name, gm in find_graphs(model):
+
+        def tap(_module, _args, kwargs, gm=gm, name=name):
+            if not steps or steps[-1] != "prefill" or name not in copies:
+                return  # only the decode step, the one after the prefill
+            copy, layers = copies[name]
+            with torch.no_grad():
+                _, values = copy(**kwargs)
+            inside.update({layer: v.detach().float().cpu() for layer, v in zip(layers, values, strict=True)})
+
+        copy, layers = tapped(gm)
+        compile_copy(copy)
+        copies[name] = (copy, layers)
+        hooks.append(gm.register_forward_pre_hook(tap, with_kwargs=True))
+    try:
+        with recorded(model, parts) as eager:
+            generation = engine.generate(
+                [Request(0, list(prompt))], 2, SamplingParams(), seed=0, after_step=steps.append
+            )
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return DecodeParts(list(prompt), eager | inside, generation.tokens[0])
 
 
 def graph_layer_outputs(model: nn.Module, call: dict[str, Any], compile_copy) -> dict[str, torch.Tensor]:

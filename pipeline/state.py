@@ -73,6 +73,7 @@ class Reference:
     router_near_ties: dict[str, torch.Tensor]  # call -> [B, S] bool, tokens with a near-tie routing
     parts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # call -> part -> output
     part_order: list[str] = field(default_factory=list)  # numerics.part_paths: the order a forward runs them
+    decode: Any = None  # numerics.DecodeParts: each part at a decode step of the eager model
 
 
 @dataclass

@@ -3,6 +3,7 @@ first part past tolerance named when a rewrite breaks one layer."""
 
 from __future__ import annotations
 
+import json
 import operator
 
 import pytest
@@ -49,6 +50,12 @@ def test_every_part_of_the_captured_model_is_within_tolerance(backend):
             assert numerics.metrics[f"numerics/{key}_max_abs_err"] < 1e-3, key
         assert not any("not readable" in note for note in numerics.notes)
         assert (state.run_dir / "numerics" / "depth.png").stat().st_size > 0
+        # A decode step of the program generation runs, against eager's at the same step
+        assert numerics.metrics["numerics/decode_parts_past_tolerance"] == 0
+        decode = json.loads((state.run_dir / "numerics" / "numerics.json").read_text())["decode"]
+        read = {row["part"] for row in decode if row["max_abs"] is not None}
+        assert {"model.language_model.layers.0", "model.language_model.layers.1", "lm_head"} <= read
+        assert state.reference.decode.parts["lm_head"].shape[:2] == (1, 1)  # one token's logits
 
 
 def _flip_rope_sign(gm, layer: str) -> int:
@@ -76,6 +83,7 @@ def test_a_wrong_rewrite_in_one_layer_is_named(backend):
         run_stage(state, "numerics")
         numerics = _record(state, "numerics")
         assert numerics.tags["numerics_first_drift"] == "model.layers.1"
+        assert numerics.tags["numerics_first_drift_decode"] == "model.layers.1"
         assert numerics.metrics["numerics/layer_0_max_abs_err"] < 1e-4
         assert numerics.metrics["numerics/layer_1_max_abs_err"] > 1e-2
         assert numerics.notes[0].startswith("!!! first part past tolerance: model.layers.1")

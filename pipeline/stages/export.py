@@ -51,6 +51,7 @@ def run(state: RunState) -> StageResult:
     parts = _parts(state)
     if state.deferred is None:
         state.reference = correctness.reference_outputs(state.model, state.check_calls, parts)
+        state.reference.decode = _decode_reference(state, parts)
     else:
         notes.append(
             "runtime.tp_weights=shard: the language model's linears are placeholders until the shard "
@@ -97,6 +98,18 @@ def run(state: RunState) -> StageResult:
     if cause := correctness.failure(checks):
         raise StageFailure(cause)
     return result
+
+
+def _decode_reference(state: RunState, parts: list[str]) -> numerics.DecodeParts | None:
+    """Each part at a decode step of the eager model as generate runs it (the text call's first
+    row as the prompt), for the numerics stage's decode comparison."""
+    prompt = state.example_inputs.text["input_ids"][0].tolist()
+    try:
+        return numerics.decode_parts(
+            state.model, state.hf_config, state.cfg.runtime, state.device, prompt, parts, lambda _m: None
+        )
+    except ValueError:  # demollm cannot drive this model: the generate stage says why
+        return None
 
 
 def _write_graph_artifacts(state: RunState, captured: graph_capture.CapturedGraph) -> list:

@@ -38,14 +38,27 @@ def run(state: RunState) -> StageResult:
     tolerance = TOLERANCE[state.dtype]
     compile_copy = compile_module if state.backend in COMPILING else (lambda _module: None)
     rows = numerics.measure(state.model, reference, state.check_calls, tolerance, compile_copy)
+    decode, decode_notes = _decode_rows(state, tolerance, compile_copy)
     # The copies compiled here are not generation's: recompiles count from now.
     state.compiled_frames = compiled_frames()
     folder = state.run_dir / "numerics"
     folder.mkdir(parents=True, exist_ok=True)
-    table = numerics_table(rows, tolerance)
+    table = numerics_table(rows, tolerance, decode)
+    if state.backend in COMPILING and state.captured:
+        table += (
+            f"\nthe layers inside the graphs are read from a tapped copy of each graph compiled by {state.backend} "
+            "apart from the program generation runs (the eager parts from that program itself)"
+        )
     (folder / "numerics.txt").write_text(table + "\n")
     (folder / "numerics.json").write_text(
-        json.dumps({"tolerance": tolerance, "parts": [vars(r) for r in rows]}, indent=1)
+        json.dumps(
+            {
+                "tolerance": tolerance,
+                "parts": [vars(r) for r in rows],
+                "decode": [vars(r) for r in decode] if decode is not None else None,
+            },
+            indent=1,
+        )
     )
     plot = numerics_plot([r.part for r in rows], [r.max_rel for r in rows], tolerance, folder / "depth.png")
     result = StageResult(
@@ -71,17 +84,67 @@ def run(state: RunState) -> StageResult:
         )
     if unread:
         result.notes.append(f"!!! output not readable on the captured model: {', '.join(unread)}")
+    result.notes += decode_notes
+    if decode is not None:
+        drifted = [r for r in decode if r.past_tolerance]
+        result.metrics["numerics/decode_parts_past_tolerance"] = len(drifted)
+        if drifted:
+            result.tags["numerics_first_drift_decode"] = drifted[0].part
+            result.notes.append(
+                f"!!! decode step: first part past tolerance: {drifted[0].part} (max rel "
+                f"{drifted[0].max_rel:.2e} > {tolerance:.0e}); {len(drifted)} of {len(decode)} parts past it"
+            )
+        else:
+            result.notes.append(f"decode step: all {len(decode)} parts within tolerance {tolerance:.0e}")
     result.notes += table.splitlines()
     return result
 
 
-def numerics_table(rows: list[numerics.PartError], tolerance: float) -> str:
-    header = f"{'part':<50} {'max abs':>10} {'max rel':>10}  vs tolerance {tolerance:.0e}"
+def _decode_rows(
+    state: RunState, tolerance: float, compile_copy
+) -> tuple[list[numerics.PartError] | None, list[str]]:
+    """Each part at a decode step of the program generation runs against the eager model's at the
+    same step (reference.decode), or None and why not."""
+    eager = state.reference.decode
+    if eager is None:
+        return None, ["no decode step compared: demollm cannot drive this model"]
+    try:
+        ours = numerics.decode_parts(
+            state.model, state.hf_config, state.cfg.runtime, state.device, eager.prompt,
+            state.reference.part_order, compile_copy,
+        )  # fmt: skip
+    except ValueError as exc:  # demollm cannot drive the captured model: generate says why
+        return None, [f"no decode step compared: {exc}"]
+    if ours.tokens[0] != eager.tokens[0]:
+        return None, [
+            f"!!! no decode step compared: the prefill's token differs from eager's ({ours.tokens[0]} vs "
+            f"{eager.tokens[0]}), so the decode step's input would too"
+        ]
+    parts = [p for p in state.reference.part_order if p in eager.parts]
+    return numerics.compare(eager.parts, ours.parts, parts, tolerance), []
+
+
+def _cells(r: numerics.PartError | None) -> str:
+    if r is None:
+        return f"{'':>10} {'':>10} {'':>5}"
+    if r.max_abs is None:
+        return f"{'-':>10} {'-':>10} {'n/a':>5}"
+    return f"{r.max_abs:>10.2e} {r.max_rel:>10.2e} {'PAST' if r.past_tolerance else 'ok':>5}"
+
+
+def numerics_table(
+    rows: list[numerics.PartError], tolerance: float, decode: list[numerics.PartError] | None = None
+) -> str:
+    """Per part: the check calls' (prefill-shaped) max abs and rel error, and a decode step's."""
+    header = (
+        f"{'part':<50} {'check max abs':>13} {'max rel':>10} {'':>5} {'decode abs':>10} {'max rel':>10} {'':>5}"
+        f"  vs tolerance {tolerance:.0e}"
+    )
     lines = [header, "-" * len(header)]
+    at_decode = {r.part: r for r in decode or []}
     for r in rows:
-        if r.max_abs is None:
-            lines.append(f"{r.part:<50} {'-':>10} {'-':>10}  not readable after the transforms")
-            continue
-        verdict = "PAST" if r.past_tolerance else "ok"
-        lines.append(f"{r.part:<50} {r.max_abs:>10.2e} {r.max_rel:>10.2e}  {verdict}")
+        lines.append(f"{r.part:<50} {_cells(r):>29}  {_cells(at_decode.get(r.part))}".rstrip())
+    if decode is None:
+        lines.append("decode: not compared (see the notes)")
+    lines.append("n/a: the captured model gave no output of that part to compare")
     return "\n".join(lines)
