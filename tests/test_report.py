@@ -288,7 +288,7 @@ def test_parts_whose_work_differs_are_shown_as_such():
 
 def _summary(times: dict[str, float]) -> dict:
     """A phase's summary tree of one decoder layer's children (fqn -> device us), the layer's own
-    time 0, with the graph's own time as `model.language_model` (self)."""
+    time `layer` (0 unless given), with the graph's own time as `model.language_model` (self)."""
 
     def node(fqn, us, children=()):
         return {
@@ -299,9 +299,10 @@ def _summary(times: dict[str, float]) -> dict:
             "children": list(children),
         }
 
-    layer = node("model.language_model.layers.*", sum(v for k, v in times.items() if ".layers." in k),
+    own = times.get("layer", 0.0)  # the layer's own time (its residual adds)
+    layer = node("model.language_model.layers.*", own + sum(v for k, v in times.items() if ".layers." in k),
                  [node(k, v) for k, v in times.items() if ".layers." in k])  # fmt: skip
-    outside = [node(k, v) for k, v in times.items() if ".layers." not in k and k != "graph"]
+    outside = [node(k, v) for k, v in times.items() if ".layers." not in k and k not in ("graph", "layer")]
     graph = node("model.language_model", layer["device_time_us"] + times.get("graph", 0.0), [layer, *outside])
     return {
         "kind": "phase",
@@ -440,3 +441,29 @@ def test_no_ratio_over_unlike_work():
         assert "each runner's own" in by[phase]["demollm.step_inputs"]["note"]
     partial = comparison(phases(500.0, 50.0), phases(10.0, 10.0), graphs=("model.language_model",))
     assert next(r for r in partial["prefill"] if r["part"] == "lm_head")["speedup"] == pytest.approx(0.02)
+
+
+def test_work_a_graph_transform_moved_between_parts_gets_one_ratio_named_by_it():
+    """fuse_add_rmsnorm moved each layer's residual add (its own time) into the norm after it (the
+    transform history's `moved`): neither part gets a ratio of its own, both notes name the
+    transform, and one row sums the two on both sides; the MLP, untouched, keeps its ratio."""
+    lm = "model.language_model"
+    norm, mlp = f"{lm}.layers.*.post_attention_layernorm", f"{lm}.layers.*.mlp"
+    captured = _summary({norm: 30.0, mlp: 100.0, "layer": 0.0})  # the add is inside the norm now
+    eager = _summary({norm: 20.0, mlp: 150.0, "layer": 15.0})
+    moved = {f"{lm}.layers.0": {f"{lm}.layers.0.post_attention_layernorm": "fuse_add_rmsnorm"}}
+    rows = comparison(
+        {"decode": {"summary_stats": captured, "device_time_us": 130.0}},
+        {"decode": {"summary_stats": eager, "device_time_us": 185.0}},
+        moved=moved,
+    )["decode"]
+    by = {r["part"]: r for r in rows}
+    assert by[norm]["speedup"] is None and "by fuse_add_rmsnorm" in by[norm]["note"]
+    assert by[f"{lm}.layers.* (self)"]["speedup"] is None
+    assert (
+        "fused into layers.*.post_attention_layernorm by fuse_add_rmsnorm"
+        in by[f"{lm}.layers.* (self)"]["note"]
+    )
+    group = next(r for r in rows if r["part"].startswith("fused:"))
+    assert (group["captured_ms"], group["eager_ms"]) == pytest.approx((0.03, 0.035))
+    assert by[mlp]["speedup"] == pytest.approx(1.5)

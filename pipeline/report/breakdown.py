@@ -271,13 +271,16 @@ def comparison(
     rewritten: dict[str, str] | None = None,
     fused: dict[str, set[str]] | None = None,
     graphs: tuple[str, ...] = (),
+    moved: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, list]:
     """Per phase, per module part (module_buckets): device ms per step of the captured run and of the
     eager reference on the same workload, and the speedup (eager / captured), largest parts first;
     a `total` row last. A speedup is printed only where both sides did the same work; otherwise the
     row says why (`note`):
-    - parts whose work Inductor fused together (`fused`: provenance.fused_modules) have none each;
-      one `fused:` row sums the group on both sides and carries the group's speedup;
+    - parts whose work Inductor fused together (`fused`: provenance.fused_modules), or a graph
+      transform moved from one part's nodes into another's (`moved`: registry.moved_work, source ->
+      {target: transforms}, named in the note), have none each; one `fused:` row sums the group on
+      both sides and carries the group's speedup;
     - a part a model-scope rewrite changed (`rewritten`: path -> transforms,
       registry.rewritten_modules) has none: its gain is that transform's, not capture's;
     - a captured graph's own time (`<graph> (self)`: torch.compile's call and guards, against
@@ -295,7 +298,18 @@ def comparison(
         theirs = module_buckets(eager[phase]["summary_stats"])
         names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
         edges = _fusion_edges(fused or {}, set(names))
+        by: dict[tuple[str, str], str] = {}  # bucket edge -> the graph transforms that made it
+        for source, targets in (moved or {}).items():
+            for target, transforms in targets.items():
+                a, b = bucket_of(source, set(names)), bucket_of(target, set(names))
+                if a and b and a != b:
+                    edges.setdefault(a, set()).add(b)
+                    by[(a, b)] = transforms
         groups = _groups(edges)
+
+        def named(a: str, b: str, shown: str, by: dict[tuple[str, str], str] = by) -> str:
+            return f"{_short(shown)} by {by[(a, b)]}" if (a, b) in by else _short(shown)
+
         into: dict[str, set[str]] = {}
         for a, targets in edges.items():
             for b in targets:
@@ -306,8 +320,16 @@ def comparison(
             if transforms := _rewritten_by(name, rewritten or {}):
                 row.update(speedup=None, note=f"rewritten by {transforms}")
             elif name in groups:
-                said = [f"fused into {', '.join(sorted(map(_short, edges[name])))}"] if name in edges else []
-                said += [f"holds fused {', '.join(sorted(map(_short, into[name])))}"] if name in into else []
+                said = (
+                    [f"fused into {', '.join(sorted(named(name, b, b) for b in edges[name]))}"]
+                    if name in edges
+                    else []
+                )
+                said += (
+                    [f"holds fused {', '.join(sorted(named(a, name, a) for a in into[name]))}"]
+                    if name in into
+                    else []
+                )
                 row.update(speedup=None, note="; ".join(said) + " (ratio: the fused row)")
                 grouped.setdefault(groups[name], []).append(name)
             elif name.startswith(UNATTRIBUTED):
@@ -329,7 +351,9 @@ def comparison(
                 sum(ours.get(n, 0.0) for n in members),
                 sum(theirs.get(n, 0.0) for n in members),
             )
-            group["note"] = "the parts Inductor fused together, summed on both sides"
+            group["note"] = (
+                "the parts fused together (Inductor's kernels, a transform's nodes), summed on both sides"
+            )
             rows.append(group)
         rows.sort(key=lambda r: -(r["captured_ms"] + r["eager_ms"]))
         rows.append(compared_part("total", captured[phase]["device_time_us"], eager[phase]["device_time_us"]))

@@ -27,7 +27,7 @@ from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import gemm_tflops, read_limit_gbs
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState, StageResult
-from pipeline.transforms.registry import model_passes_undone, rewritten_modules
+from pipeline.transforms.registry import model_passes_undone, moved_work, rewritten_modules
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,10 @@ def run(state: RunState) -> StageResult:
         fused = provenance.fused_modules(profiled.instrumentation.graphs)
         extra["fused"] = {source: sorted(targets) for source, targets in fused.items()}
         paths = tuple(path for path, _ in find_graphs(state.model))
-        extra["comparison"] = comparison(phases, eager_phases, rewritten=rewritten, fused=fused, graphs=paths)
+        moved = moved_work(state.transform_history)
+        extra["comparison"] = comparison(
+            phases, eager_phases, rewritten=rewritten, fused=fused, graphs=paths, moved=moved
+        )
     elif cfg.profile.reference == "eager":
         notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
     if state.waterfall is not None:  # the profile's own measurements are the first round's ends

@@ -14,6 +14,8 @@ its shared config.
 from __future__ import annotations
 
 import contextlib
+import operator
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import fx, nn
 
 from pipeline.errors import ConfigError
-from pipeline.graphs import find_graphs
+from pipeline.graphs import find_graphs, module_paths
 from pipeline.models.deferred import DeferredWeights
 from pipeline.transforms.graph import finish
 
@@ -185,6 +187,9 @@ class TransformRecord:
     unmatched: list[str] = field(default_factory=list)  # candidates left, and where each stopped
     matched: list[str] = field(default_factory=list)  # what each match was, where the transform says
     replaced: list[str] = field(default_factory=list)  # scope model: the eager modules it put in place
+    # scope subgraph: "<module> -> <module>" where the rewrite moved a module's work into another's
+    # nodes (fuse_add_rmsnorm: the layer's residual add into its norm), model paths
+    moved: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -287,6 +292,7 @@ def _apply_one(
     record = TransformRecord(transform.name, name, "applied", scope=scope, nodes_before=_node_count(target))
     snapshot = Snapshot(target)
     children = {path: (m, dict(m._modules)) for path, m in eager_modules(target)} if scope == "model" else {}
+    nodes_before = _node_modules(target) if scope == "subgraph" else {}
     start = time.perf_counter()
     try:
         if scope == "model":
@@ -308,10 +314,44 @@ def _apply_one(
         record.matched = transform.matched()
         if scope == "model":
             record.replaced = _replaced(target, children)
+        else:
+            record.moved = _moved(nodes_before, _node_modules(target), "" if name == "root" else name)
         if record.unmatched and not record.matches:
             more = f" (and {len(record.unmatched) - 1} more)" if len(record.unmatched) > 1 else ""
             record.reason = f"nothing matched: {record.unmatched[0]}{more}"
     return record
+
+
+def _node_modules(gm: nn.Module) -> dict[fx.Node, str]:
+    """Each computing node of the graph -> the innermost module it ran under ("" for none)."""
+    if not isinstance(gm, fx.GraphModule):
+        return {}
+    return {
+        node: (module_paths(node) or [""])[-1]
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target is not operator.getitem  # a getitem computes nothing
+    }
+
+
+def _moved(before: dict[fx.Node, str], after: dict[fx.Node, str], graph_path: str) -> list[str]:
+    """'<source> -> <target>' for each module whose removed nodes' work went into the new nodes of
+    other modules: the sources are modules of removed nodes no new node belongs to, each paired
+    with the new nodes' modules nearest it (the same layer's, not another's); paths in the model,
+    the graph's path in front."""
+    removed = {module for node, module in before.items() if node not in after and module}
+    added = {module for node, module in after.items() if node not in before and module}
+    full = (lambda path: f"{graph_path}.{path}") if graph_path else (lambda path: path)
+
+    def shared(a: str, b: str) -> int:
+        return len(os.path.commonprefix([a.split("."), b.split(".")]))
+
+    edges = []
+    for source in sorted(removed - added):
+        if not added:
+            break
+        nearest = max(shared(source, target) for target in added)
+        edges += [f"{full(source)} -> {full(t)}" for t in sorted(added) if shared(source, t) == nearest]
+    return edges
 
 
 def _replaced(model: nn.Module, before: dict[str, tuple[nn.Module, dict[str, nn.Module]]]) -> list[str]:
@@ -356,6 +396,18 @@ def rewritten_modules(model: nn.Module, history: TransformHistory | None) -> dic
                 full = f"{path}.{name}" if path else name
                 rewritten[full] = ", ".join(dict.fromkeys(by_path.get(full, ["a model-scope pass"])))
     return rewritten
+
+
+def moved_work(history: TransformHistory | None) -> dict[str, dict[str, str]]:
+    """Source module -> {target module: the graph transforms that moved its work there}."""
+    moved: dict[str, dict[str, str]] = {}
+    for record in history.records if history is not None else []:
+        for edge in record.moved:
+            source, target = edge.split(" -> ")
+            names = moved.setdefault(source, {}).get(target, "")
+            if record.transform not in names.split(", "):
+                moved[source][target] = f"{names}, {record.transform}" if names else record.transform
+    return moved
 
 
 @contextlib.contextmanager

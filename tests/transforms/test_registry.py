@@ -233,3 +233,19 @@ def test_each_rewritten_module_is_named_with_the_pass_that_replaced_it():
     registry.run_transforms(model, transforms, transform_context(), history)
     assert [r.replaced for r in history.records] == [["a"], ["b"]]
     assert registry.rewritten_modules(model, history) == {"a": "test_replace_a", "b": "test_replace_b"}
+
+
+def test_a_graph_rewrite_that_moves_work_between_modules_records_it():
+    """On a tiny model's graph, fuse_add_rmsnorm moves each layer's residual add (the layer's own
+    node) into the norm after it, in that layer: the record says so, per layer, and fuse_gemms's
+    fused projections stay inside their attention and MLP (their moves go to the parent module)."""
+    model, _, _ = captured("tiny_llama3_1_8b")
+    history = run(model)
+    moved = registry.moved_work(history)
+    assert moved["model.layers.0"] == {"model.layers.0.post_attention_layernorm": "fuse_add_rmsnorm"}
+    assert moved["model.layers.1"] == {
+        "model.layers.1.input_layernorm": "fuse_add_rmsnorm",
+        "model.layers.1.post_attention_layernorm": "fuse_add_rmsnorm",
+    }
+    assert moved["model.layers.0.self_attn.q_proj"] == {"model.layers.0.self_attn": "fuse_gemms"}
+    assert not any(t.startswith("model.layers.1") for t in moved.get("model.layers.0", {}))
