@@ -467,3 +467,34 @@ def test_work_a_graph_transform_moved_between_parts_gets_one_ratio_named_by_it()
     group = next(r for r in rows if r["part"].startswith("fused:"))
     assert (group["captured_ms"], group["eager_ms"]) == pytest.approx((0.03, 0.035))
     assert by[mlp]["speedup"] == pytest.approx(1.5)
+
+
+def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_reach():
+    """8 experts of [n=256, k=128] float32 (128 KiB each), 2 routed per token: a decode step of 1
+    token reaches 2 experts (256 KiB), a prefill of 1000 tokens all 8; the FLOPs are the routed
+    ones either way."""
+    import torch
+    from torch import nn
+
+    from pipeline.report.roofline import Roofs, work
+
+    model = nn.Module()
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Module()
+    layer.mlp.experts.gate_up_proj = nn.Parameter(torch.zeros(8, 256, 128))
+    model.layers = nn.ModuleList([layer])
+    roofs = Roofs(
+        read_gbs=100.0,
+        steps={
+            "prefill": {"tokens": 1000, "rows": 1, "context": 1000, "sequences": 1},
+            "decode": {"tokens": 1, "rows": 1, "context": 1001, "sequences": 1},
+        },
+        experts_per_token=2,
+    )
+    decode = work(model, {"layers.*.mlp"}, "decode", roofs)["layers.*.mlp"]
+    prefill = work(model, {"layers.*.mlp"}, "prefill", roofs)["layers.*.mlp"]
+    expert = 256 * 128 * 4
+    assert decode.weight_bytes == prefill.weight_bytes == 8 * expert
+    assert (decode.read_bytes, prefill.read_bytes) == (2 * expert, 8 * expert)
+    assert decode.flops == 2 * 2 * 256 * 128 and prefill.flops == 2 * 2000 * 256 * 128

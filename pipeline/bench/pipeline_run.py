@@ -14,7 +14,8 @@ from pipeline import REPO_ROOT
 from pipeline.bench import rounds
 
 STAGE_TIMES = tuple(
-    f"stage/{name}_s" for name in ("load", "export", "transforms", "capture", "generate", "profile", "report")
+    f"stage/{name}_s"
+    for name in ("load", "export", "transforms", "capture", "numerics", "generate", "profile", "report")
 )
 PROFILE_FIGURES = ("profile/overhead_ratio", "profile/coverage_pct", "profile/layer_coverage_pct")
 MAKE_RUN_TARGET_S = 120.0
@@ -90,7 +91,8 @@ def markdown(result: dict) -> list[str]:
         "",
         f"{result['repeats']} runs one after another, each figure the median (p10-p90). Wall time "
         f"{rounds.shown(result['wall_s'], 0, ' s')} (target < {MAKE_RUN_TARGET_S:.0f} s, set-up done): "
-        f"{stages}{compile_s}.",
+        f"{stages}{compile_s}." + (f" Measured {result['measured']}." if "measured" in result else ""),
+        # a block taken over from a part run (`--rows run`) says when and where
         "",
         "| profiler | value | target |",
         "|---|---|---|",

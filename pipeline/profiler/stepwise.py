@@ -211,8 +211,8 @@ def table(waterfall: Waterfall) -> str:
         s = waterfall.speedup(phase)
         verdict = "faster" if s.median >= 1 else "slower"
         summary.append(
-            f"{phase} {first_step.time(phase).median:.3f} -> {last.time(phase).median:.3f} ms "
-            f"({s.median:.2f}x, p10-p90 {s.p10:.2f}-{s.p90:.2f}x: {verdict})"
+            f"{phase} {s.median:.2f}x within a round (p10-p90 {s.p10:.2f}-{s.p90:.2f}x: {verdict}; medians "
+            f"{first_step.time(phase).median:.3f} -> {last.time(phase).median:.3f} ms)"
         )
     lines.append(f"change, eager -> {last.name}: {'; '.join(summary)}")
     lines.append(
