@@ -12,6 +12,7 @@ from conftest import staged
 
 from pipeline.graphs import find_graphs
 from pipeline.profiler.ranges import node_stack
+from pipeline.report.run_report import headline
 from pipeline.runner import run_stage
 
 QUIET = ["profile.enabled=false", "report.enabled=false", "tracking.enabled=false"]
@@ -56,6 +57,7 @@ def test_every_part_of_the_captured_model_is_within_tolerance(backend):
         read = {row["part"] for row in decode if row["max_abs"] is not None}
         assert {"model.language_model.layers.0", "model.language_model.layers.1", "lm_head"} <= read
         assert state.reference.decode.parts["lm_head"].shape[:2] == (1, 1)  # one token's logits
+        assert "numerics: decode step: all 3 parts within tolerance 1e-04" in headline(state)
 
 
 def _flip_rope_sign(gm, layer: str) -> int:

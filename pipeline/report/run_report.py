@@ -71,6 +71,11 @@ def headline(state: RunState, report: Path | None = None) -> list[str]:
     numerics = next((r for r in state.stages if r.name == "numerics" and r.notes), None)
     if numerics is not None:
         lines.append(f"numerics: {numerics.notes[0].removeprefix('!!! ')}")
+        decode = next((n for n in numerics.notes if "decode step" in n), None)
+        if decode is not None:
+            lines.append(f"numerics: {decode.removeprefix('!!! ')}")
+    if state.waterfall is not None and state.waterfall.rounds:
+        lines += [f"WARNING waterfall: {warning}" for warning in state.waterfall.warnings()]
     if failure := _failure(state):
         lines.append(failure)
     if report is not None:
