@@ -67,37 +67,36 @@ def run(state: RunState) -> StageResult:
     for row in rows:
         if row.max_abs is not None:
             result.metrics[metric_name(row.part)] = row.max_abs
-    past = [r for r in rows if r.past_tolerance]
     unread = [r.part for r in rows if r.max_abs is None]
-    result.metrics["numerics/parts_past_tolerance"] = len(past)
-    if past:
-        result.tags["numerics_first_drift"] = past[0].part
-        result.notes.append(
-            f"!!! first part past tolerance: {past[0].part} (max rel {past[0].max_rel:.2e} > {tolerance:.0e}); "
-            f"{len(past)} of {len(rows)} parts past it (numerics/numerics.txt)"
-        )
-    else:
-        largest = max((r for r in rows if r.max_rel is not None), key=lambda r: r.max_rel, default=None)
-        result.notes.append(
-            f"all {len(rows)} parts within tolerance {tolerance:.0e}"
-            + (f" (largest: {largest.part}, max rel {largest.max_rel:.2e})" if largest else "")
-        )
+    _verdict(result, rows, tolerance, "", "")
     if unread:
         result.notes.append(f"!!! output not readable on the captured model: {', '.join(unread)}")
     result.notes += decode_notes
     if decode is not None:
-        drifted = [r for r in decode if r.past_tolerance]
-        result.metrics["numerics/decode_parts_past_tolerance"] = len(drifted)
-        if drifted:
-            result.tags["numerics_first_drift_decode"] = drifted[0].part
-            result.notes.append(
-                f"!!! decode step: first part past tolerance: {drifted[0].part} (max rel "
-                f"{drifted[0].max_rel:.2e} > {tolerance:.0e}); {len(drifted)} of {len(decode)} parts past it"
-            )
-        else:
-            result.notes.append(f"decode step: all {len(decode)} parts within tolerance {tolerance:.0e}")
+        _verdict(result, decode, tolerance, "decode_", "decode step: ")
     result.notes += table.splitlines()
     return result
+
+
+def _verdict(
+    result: StageResult, rows: list[numerics.PartError], tolerance: float, key: str, said: str
+) -> None:
+    """numerics/<key>parts_past_tolerance, the tag numerics_first_drift[_decode] of the first part
+    past tolerance, and a note: that part, or all within it (with the largest)."""
+    past = [r for r in rows if r.past_tolerance]
+    result.metrics[f"numerics/{key}parts_past_tolerance"] = len(past)
+    if past:
+        result.tags["numerics_first_drift" + (f"_{key.rstrip('_')}" if key else "")] = past[0].part
+        result.notes.append(
+            f"!!! {said}first part past tolerance: {past[0].part} (max rel {past[0].max_rel:.2e} > "
+            f"{tolerance:.0e}); {len(past)} of {len(rows)} parts past it (numerics/numerics.txt)"
+        )
+        return
+    largest = max((r for r in rows if r.max_rel is not None), key=lambda r: r.max_rel, default=None)
+    result.notes.append(
+        f"{said}all {len(rows)} parts within tolerance {tolerance:.0e}"
+        + (f" (largest: {largest.part}, max rel {largest.max_rel:.2e})" if largest else "")
+    )
 
 
 def _decode_rows(
