@@ -1,6 +1,8 @@
 # Every target that runs code depends on .venv, so `make run` and `make test` set themselves up.
 PYTHON ?= python3
-TORCH ?= torch==2.13.0
+# torch with torchvision (every image processor of transformers builds), a CUDA build that runs on
+# the CPU here and unchanged on a GPU; `make setup TORCH=torch==2.13.0` takes the CPU build alone.
+TORCH ?= torch==2.14.1 torchvision==0.29.1
 VENV := .venv
 # The set CI tests: every package pinned (pip freeze of the venv the suite passed in).
 PINNED := .ci/pinned.txt
@@ -14,8 +16,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(PINNED)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU torch first: a bare torch requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q "$(TORCH)"
+	# torch first, pinned: a bare torch requirement would pull the newest CUDA build.
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -c $(PINNED) -e ".[dev,ray]"
 	touch $@
 
