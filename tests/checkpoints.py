@@ -100,6 +100,29 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<image>")
         + "<|END_OF_TURN_TOKEN|>{%- endfor %}{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{%- endif %}",
     },
+    "gemma3": {  # the template writes <start_of_image>, which the processor expands
+        "specials": {
+            "<start_of_turn>": 3,
+            "<end_of_turn>": 4,
+            "<image_soft_token>": 500,
+            "<start_of_image>": 501,
+            "<end_of_image>": 502,
+        },
+        "named": {
+            "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}<start_of_turn>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<start_of_image>")
+        + "<end_of_turn>{%- endfor %}{%- if add_generation_prompt %}<start_of_turn>model {%- endif %}",
+    },
+    "llava": {  # LLaVA-1.5's "USER: <image>\n... ASSISTANT:"
+        "specials": {"<image>": 500},
+        "template": "{%- for m in messages %}{{ m['role'] | upper }}: "
+        + _PARTS.replace("IMAGE", "<image>")
+        + " {%- endfor %}{%- if add_generation_prompt %}ASSISTANT:{%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
         "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -112,6 +135,12 @@ FAMILY_OF = {
     "mistral": "mistral",
     "llama": "llama",
     "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen2_5_vl",
+    "llava": "llava",
+    "gemma3": "gemma3",
+    "llava_next": "llava",
+    "vipllava": "llava",
     "llama4": "llama4",
     "mixtral": "mistral",
     "qwen3_moe": "qwen2_5_vl",
@@ -123,11 +152,44 @@ FAMILY_OF = {
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
 PROCESSOR_KWARGS = {
+    "mistral3": lambda c: {
+        "patch_size": c.vision_config.patch_size,
+        "spatial_merge_size": c.spatial_merge_size,
+    },
+    "qwen2_5_vl": lambda c: {"video_processor": _qwen_video(c)},
+    "qwen2_vl": lambda c: {"video_processor": _qwen_video(c)},
+    "qwen3_vl": lambda c: {"video_processor": _qwen_video(c, transformers.Qwen3VLVideoProcessor)},
+    "gemma3": lambda c: {"image_seq_length": c.mm_tokens_per_image},
+    # LLaVA's processor counts patches (less the CLS token the "default" strategy drops)
+    "llava": lambda c: _llava(c),
+    "llava_next": lambda c: _llava(c),
+    "vipllava": lambda c: _llava(c),
     "got_ocr2": {},
     "idefics3": {"image_seq_len": 1},
     "mllama": {},
     "aya_vision": {"patch_size": 14, "img_size": 28, "downsample_factor": 2},  # 1 token a tile
 }
+
+
+def _qwen_video(config, cls=None):
+    """The video half of a Qwen-VL processor, with the vision config's patch settings."""
+    vision = config.vision_config
+    return (cls or transformers.Qwen2VLVideoProcessor)(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+
+
+def _llava(config) -> dict:
+    return {
+        "patch_size": config.vision_config.patch_size,
+        # VipLLaVA's config names none: it drops the CLS token as "default" does
+        "vision_feature_select_strategy": getattr(config, "vision_feature_select_strategy", "default"),
+        "num_additional_image_tokens": 1,
+    }
+
+
 WORDS = (
     "how big is the universe explain gravity in simple words and a single sentence to fix slicing golf "
     "please describe natural scenery you see following images what colour sky why water wet tell me about "
@@ -156,6 +218,7 @@ def build_tokenizer(model_type: str, vocab_size: int):
         unk_token="<unk>",
         pad_token="<unk>",
         additional_special_tokens=list(family["specials"]),
+        extra_special_tokens=family.get("named", {}),  # tokenizer.image_token ... as processors read them
     )
     tokenizer.chat_template = family["template"]
     return tokenizer
@@ -174,7 +237,7 @@ def build_image_processor(hf_config):
         return transformers.PixtralImageProcessorPil(
             size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
         )
-    if hf_config.model_type == "qwen2_5_vl":
+    if hf_config.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         step = vision.patch_size * vision.spatial_merge_size
         return transformers.Qwen2VLImageProcessorPil(
             patch_size=vision.patch_size,
@@ -183,6 +246,12 @@ def build_image_processor(hf_config):
             min_pixels=step * step,
             max_pixels=16 * step * step,
         )
+    if hf_config.model_type == "llava_next":  # its tiles cut at the config's resolutions
+        from pipeline.models.images import sized_processor
+
+        processor = sized_processor(hf_config)
+        processor.image_grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
+        return processor
     return None
 
 
@@ -211,9 +280,10 @@ def save_checkpoint(
         from pipeline.models.images import sized_processor
 
         processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+        settings = PROCESSOR_KWARGS[config.model_type]
         processor_cls(
-            image_processor=sized_processor(config),
+            image_processor=processor or sized_processor(config),
             tokenizer=tokenizer,
-            **PROCESSOR_KWARGS[config.model_type],
+            **(settings(config) if callable(settings) else settings),
         ).save_pretrained(folder)
     return folder

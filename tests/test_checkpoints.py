@@ -565,15 +565,20 @@ def test_a_chat_with_two_images_cross_attends_each_from_its_token(
     assert tokens[0] == want.tolist()
 
 
-def test_a_processor_that_disagrees_with_the_model_is_refused_up_front(photo, tmp_path_factory):
+def test_a_processor_that_disagrees_with_the_model_fails_the_load_naming_its_config(
+    photo, tmp_path_factory, tmp_path
+):
     """GOT-OCR2's processor writes 256 image tokens per image (its published 1024-pixel images); the
-    tiny model makes one of its 64-pixel image: a chat-with-image query is a config error naming
-    the processor config, before anything loads."""
+    tiny model makes one of its 64-pixel image. The tokens come from the processor alone (no model
+    counts them before load); the loaded model's vision path, run once on its own weights, makes 1:
+    the load stage fails naming the processor config, before any graph is made."""
     folder = save_checkpoint(build_tiny("tiny_got_ocr2")[0], tmp_path_factory.mktemp("got") / "got")
     overrides = [
         "model=hf",
         f"model.checkpoint={folder}",
         f"prompt.queries={hydra_value(_image_chat(photo))}",
     ]
-    with pytest.raises(ConfigError, match="wrote 256 image tokens.*makes 1.*processor_config.json"):
-        check_config(compose_dict(overrides), cuda_available=False)
+    check_config(compose_dict(overrides), cuda_available=False)
+    with pytest.raises(StageFailure, match=r"wrote \[256\] image tokens.*makes \[1\].*processor_config.json"):
+        with staged(overrides, "load", tmp_path):
+            pass

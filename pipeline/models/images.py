@@ -4,10 +4,10 @@ a prompt for each.
 
 The image processor is the checkpoint's own (its preprocessor_config.json) when there is one, else
 built from the vision config's sizes (an int, [height, width] or a dict, whichever the config
-gives). The processors themselves (Pixtral's, Qwen2-VL's with its video half, Llama-4's) need
-torchvision, which does not install beside the CPU torch, so their token rules are written here,
-keyed by the processor a model type maps to in transformers, each checked against the model's own
-image-token count:
+gives). A request made without the family's Processor (a model YAML, or a folder with only an
+image processor; with one, models/processor.py makes the request) takes the layout written here
+for the families whose image size and token count follow the image, keyed by the processor a model
+type maps to in transformers, each checked against the model's own image-token count:
 - mistral3: PixtralImageProcessor (the PIL flavour): [N, 3, H, W] resized to multiples of
   patch * merge, plus image_sizes; per image (H / step) rows of (W / step) `[IMG]` tokens, each
   row ended by `[IMG_BREAK]` and the last by `[IMG_END]` (PixtralProcessor's layout).
@@ -23,8 +23,8 @@ InternVL, Aya Vision, GLM-4V, ...) needs no code here: its image processor class
 patch and merge sizes and keeps its pixel budget), each
 image processed alone, every tensor it returns that the model's forward names passed on
 (`image_sizes`, `pixel_attention_mask`, ...), and the token count asked of the model
-(`get_image_features` on the meta-device skeleton, or, where the vision path reads data, which
-meta tensors cannot serve, on a copy whose vision parts get memory); `[boi] image*n [eoi]` where
+(`get_image_features` run for real: on a copy of the meta-device skeleton whose vision parts get
+memory, no meta tensor through any model); `[boi] image*n [eoi]` where
 the config has begin/end-of-image ids. A family whose language model cross-attends the vision
 states (Mllama) has one image token per image (models/cross_attention.py). A family whose images cannot be prepared (`unsupported`)
 is refused up front for an image request.
@@ -145,8 +145,8 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
     )
 
 
-# Image processors whose image size (and so token count) follows the image: their rules, written
-# here since the processors need torchvision, keyed by the processor a model type maps to in
+# Image processors whose image size (and so token count) follows the image: their rules, for a
+# request made without the family's Processor, keyed by the processor a model type maps to in
 # transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one); each gives inputs the
 # generic path does not (tests/test_images.py shows how). Every other VLM goes through `_fixed_size`.
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
@@ -286,11 +286,11 @@ def taken(function, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor], images: int) -> list[int]:
     """How many tokens each of `images` images becomes, asked of the model itself: its
-    get_image_features on the meta device (no memory, no compute), as many rows as the language
-    model receives. A vision path with data-dependent ops (a tile count read from image_sizes,
-    `nonzero` over a pixel mask), which meta tensors cannot serve, is run for real instead
-    (`_counted_for_real`). Where the features come per tile, not per image (Idefics3 splits an
-    image into tiles), each image is asked alone and its tiles summed."""
+    get_image_features run for real, as many rows as the language model receives. A model of
+    real weights runs as it is; the meta-device skeleton, which no tensor can run through, on a
+    copy whose parts outside the language model get memory (`_counter`). Where the features come
+    per tile, not per image (Idefics3 splits an image into tiles), each image is asked alone and
+    its tiles summed."""
     counts = _image_tokens(model, pixels)
     if len(counts) == images:
         return counts
@@ -311,12 +311,12 @@ def featurer(model: torch.nn.Module) -> torch.nn.Module | None:
 
 def _image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
     call = taken(featurer(model).get_image_features, pixels)
-    try:
-        with torch.no_grad():
-            out = featurer(model).get_image_features(**{k: v.to("meta") for k, v in call.items()})
-    except (NotImplementedError, RuntimeError):  # "Cannot copy out of meta tensor", meta kernels
-        return _counted_for_real(model, call)
-    return _counts(out)
+    if any(p.is_meta for p in model.parameters()):
+        if model not in _COUNTERS:
+            _COUNTERS[model] = _counter(model)
+        model, call = _COUNTERS[model], {k: v.cpu() for k, v in call.items()}
+    with torch.no_grad():
+        return _counts(featurer(model).get_image_features(**call))
 
 
 def _counts(out) -> list[int]:
@@ -326,21 +326,14 @@ def _counts(out) -> list[int]:
     return [int(features.shape[1])] * int(features.shape[0])
 
 
-# meta-device model -> its copy with vision memory: made once, every later image counted on it
+# meta-device model -> its copy with memory outside the language model: made once, every later
+# image counted on it
 _COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _counted_for_real(model: torch.nn.Module, call: dict[str, torch.Tensor]) -> list[int]:
-    """get_image_features on CPU with the real pixels, on a copy of the meta-device model whose
-    parts outside the decoder stack and the lm_head get zeroed memory: the token count follows the
-    shapes and the pixels, not the weights."""
-    if model not in _COUNTERS:
-        _COUNTERS[model] = _counter(model)
-    with torch.no_grad():
-        return _counts(featurer(_COUNTERS[model]).get_image_features(**{k: v.cpu() for k, v in call.items()}))
-
-
 def _counter(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the meta-device model whose parts outside the decoder stack and the lm_head get
+    zeroed memory on CPU: the token count follows the shapes and the pixels, not the weights."""
     import copy
 
     from pipeline.graphs import find_language_models
@@ -453,10 +446,19 @@ def concat_pixels(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     """Images of several requests in one call: concatenated along dim 0; tensors whose other dims
     differ ([N, 3, H, W] of different sizes, [N, tiles, ...] of different tile counts) are
     zero-padded at the end of each to the largest, as the processors pad a batch (the model crops
-    by image_sizes, or skips what a pixel mask leaves out)."""
+    by image_sizes, or skips what a pixel mask leaves out). A 0-dim tensor (a processor's count
+    for the whole call) is passed once, where every request gives the same value."""
     out = {}
     for key in dict.fromkeys(k for p in parts for k in p):
         tensors = [p[key] for p in parts if key in p]
+        if tensors[0].dim() == 0:
+            if any(not torch.equal(t, tensors[0]) for t in tensors):
+                raise ValueError(
+                    f"{key}: the requests of one step give it different values "
+                    f"({sorted({t.item() for t in tensors})}); it is one value for the whole call"
+                )
+            out[key] = tensors[0]
+            continue
         largest = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
         padded = []
         for t in tensors:

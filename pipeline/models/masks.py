@@ -141,13 +141,17 @@ def blocks_from_mask(mask) -> torch.Tensor | None:
     return torch.stack([torch.where(has, first, 0), torch.where(has, last, 0)], dim=-1)
 
 
+def spans_from_token_types(hf_config, types: list[int]) -> list[tuple[int, int]]:
+    """[start, end) spans attended both ways, from the token_type_ids of one sequence (the
+    processor's, or a whole-model call's)."""
+    if BIDIRECTIONAL.get(hf_config.model_type) == "prompt":  # the prefix: type 0 up to the suffix
+        return _runs([True] * next((i for i, t in enumerate(types) if t != 0), len(types)))
+    return _runs([t == 1 for t in types])
+
+
 def blocks_from_token_types(hf_config, token_types: torch.Tensor) -> torch.Tensor:
     """[B, S] token_type_ids of a whole-model call -> [B, S, 2] blocks."""
     rows = []
     for types in token_types.tolist():
-        if BIDIRECTIONAL.get(hf_config.model_type) == "prompt":  # the prefix: type 0 up to the suffix
-            spans = _runs([True] * next((i for i, t in enumerate(types) if t != 0), len(types)))
-        else:
-            spans = _runs([t == 1 for t in types])
-        rows.append(token_blocks(spans, 0, len(types)))
+        rows.append(token_blocks(spans_from_token_types(hf_config, types), 0, len(types)))
     return torch.tensor(rows, dtype=torch.long, device=token_types.device).reshape(*token_types.shape, 2)

@@ -1,81 +1,175 @@
-"""The family's own processor, where a checkpoint folder lets it be built offline: what lays a chat
-request's image tokens out exactly as Hugging Face's processor does (Idefics3's tiles with their
-row and column tokens, GOT-OCR2's `<img>` ... `</img>`, Gemma 3's blank lines around an image).
+"""The family's own processor, loaded from a checkpoint folder as `AutoProcessor.from_pretrained`
+loads it, and the source of truth for a chat request with images: its ids, its pixel tensors and
+its per-token tensors reach the model as it returned them (Idefics3's tiles with their row and
+column tokens, GOT-OCR2's `<img>` ... `</img>`, Gemma 3's blank lines around an image).
 
-Built from the folder's `processor_config.json` around the folder's tokenizer and image processor,
-as `AutoProcessor.from_pretrained` would; a processor that cannot be built here (a video half that
-needs torchvision, which does not install beside the CPU torch: Qwen2-VL's, GLM-4V's, InternVL's)
-leaves the request to models/images.py's layout, which the model's own token count drives.
+A folder has a processor when it holds `processor_config.json` or `preprocessor_config.json` beside
+its tokenizer. Where it cannot be built here (a video half that needs torchvision, under the CPU
+build of torch; transformers refuses a Processor without its video half), the log says so at
+WARNING and chat images are laid out by models/images.py's rules.
+
+What a processor returns, each output by what the model does with it:
+- pixel tensors (one row per image or tile, or 0-dim): a request's `images`, passed to the forward
+  in the step that holds the images, when the forward names them;
+- per-token tensors (`PER_TOKEN`, [1, S] beside the ids): a request's `token_inputs`, which the
+  runtime gives the model at every step (runtime/runners.py, runtime/positions.py);
+- any other per-token output the forward names is refused before load: the captured language
+  model takes ids, positions and its cache, nothing else per token.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
 import torch
 
-from pipeline.errors import ConfigError
-from pipeline.models import cross_attention
+from pipeline.errors import ConfigError, StageFailure
+from pipeline.models import cross_attention, masks
 from pipeline.models import images as imaging
 
 log = logging.getLogger(__name__)
 
-# What a processor returns beside the pixels that the runtime makes itself: the ids, and the masks
-# and token types it derives from them (models/masks.py, runtime/positions.py)
-_TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
+# Per-token outputs the runtime carries, each with what it drives (the processor's values, never
+# rebuilt): the prompt's attention_mask is all ones for one request and is the runtime's own.
+PER_TOKEN = {
+    "token_type_ids": "the spans attended both ways (models/masks.py)",
+    "mm_token_type_ids": "which tokens take grid positions (runtime/positions.py)",
+    "cross_attention_mask": "the tiles each token cross-attends (models/cross_attention.py)",
+}
+_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def load_processor(checkpoint: str | None, model_type: str, tokenizer, image_processor):
-    """The family's processor from the folder, or None (no processor config, no tokenizer, or a
-    processor that cannot be built here: said in the log)."""
-    if not checkpoint or tokenizer is None or not (Path(checkpoint) / "processor_config.json").is_file():
+def load_processor(checkpoint: str | None, tokenizer):
+    """The family's processor from the folder, or None: no processor in it, or one that cannot be
+    built here (said at WARNING; chat images then take models/images.py's layout)."""
+    if not checkpoint or tokenizer is None or not any((Path(checkpoint) / f).is_file() for f in _FILES):
         return None
-    import transformers
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers import AutoProcessor
+    from transformers.processing_utils import ProcessorMixin
 
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    processor_cls = getattr(transformers, name, None) if name else None
-    if processor_cls is None:
-        return None
-    parts = {"tokenizer": tokenizer}
-    if image_processor is not None:
-        parts["image_processor"] = image_processor
     try:
-        return processor_cls.from_pretrained(checkpoint, local_files_only=True, **parts)
-    except (ImportError, AttributeError, OSError, TypeError, ValueError) as exc:
-        log.info(
-            "%s cannot be built here (%s: %s); chat images are laid out from the model's token count",
-            name,
-            type(exc).__name__,
-            str(exc).splitlines()[0][:200],
-        )
+        processor = AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
+    except Exception as exc:  # a missing package (torchvision for a video half), a broken config
+        _not_built(f"{type(exc).__name__}: {next((ln for ln in str(exc).splitlines() if ln.strip()), '')}")
         return None
+    if not isinstance(processor, ProcessorMixin):  # AutoProcessor gave a tokenizer or image processor
+        if (Path(checkpoint) / "processor_config.json").is_file():  # one was there, and is not used
+            _not_built(f"AutoProcessor gives a {type(processor).__name__} for processor_config.json's class")
+        return None
+    if getattr(processor, "chat_template", None) is None and tokenizer.chat_template:
+        processor.chat_template = tokenizer.chat_template
+    return processor
+
+
+def _not_built(why: str) -> None:
+    log.warning(
+        "the folder's processor cannot be built here (%s); chat images are laid out by the pipeline's "
+        "rules for the family (models/images.py), not by the folder's processor",
+        why.strip()[:240],
+    )
+
+
+def image_token_text(processor) -> str:
+    """The text the processor expands into one image's tokens."""
+    token = getattr(processor, "image_token", None) or getattr(processor.tokenizer, "image_token", None)
+    if not isinstance(token, str):
+        raise ConfigError(
+            f"{type(processor).__name__} names no image_token: the tokens of one image cannot be told apart "
+            "from another's; give the folder a processor that does"
+        )
+    return token
+
+
+def image_token_ids(processor, hf_config) -> set[int]:
+    """The ids that stand for image features in the processor's output: the config's image token
+    (or the processor's own, for a family whose config names none)."""
+    found = {getattr(hf_config, n, None) for n in ("image_token_id", "image_token_index")}
+    found = {i for i in found if isinstance(i, int)}
+    if not found:
+        found = {processor.tokenizer.convert_tokens_to_ids(image_token_text(processor))}
+    return found
+
+
+def forward_names(model: torch.nn.Module) -> set[str]:
+    """The parameters of the model's forward and of its inner model's (DeepSeek-VL's outer class
+    passes **kwargs on to it)."""
+    names = set(inspect.signature(model.forward).parameters)
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module):
+        names |= set(inspect.signature(inner.forward).parameters)
+    return names - {"kwargs", "args"}
+
+
+def _carried(key: str, hf_config, model) -> bool:
+    """Whether the runtime gives the model this per-token output at every step, for this family."""
+    if key == "token_type_ids":
+        return masks.uses_blocks(hf_config)
+    if key == "mm_token_type_ids":  # grid positions; a family that routes by them (vision experts) is not
+        text = getattr(hf_config, "text_config", None) or hf_config
+        return bool((getattr(text, "rope_parameters", None) or {}).get("mrope_section"))
+    return key == "cross_attention_mask" and cross_attention.takes_vision_states(model)
 
 
 def processed(processor, hf_config, text: str, images: list, skeleton, dtype, device):
-    """(ids, pixel tensors the model's forward takes, [start, end) of each image's tokens) of one
-    chat request as the family's processor makes it. The image tokens it wrote must be as many as
-    the model makes of the images (counted on the meta-device skeleton), else the processor config
-    and the model disagree."""
+    """One chat request as the family's processor makes it: (ids, pixel tensors, per-token tensors
+    [S, ...], [start, end) of each image's tokens). Every tensor it returns that the model's
+    forward names reaches the model, or the request is refused naming it. Each image's token count
+    is the processor's (the image alone through it): no model runs to count them."""
     out = processor(text=[text], images=images, return_tensors="pt")  # one text: its images in order
     ids = out["input_ids"][0].tolist()
-    tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS}
-    pixels = imaging.taken(skeleton.forward, tensors)
-    if cross_attention.takes_vision_states(skeleton):  # one token per image, cross-attended
-        counts = [1] * len(images)
-    else:
-        counts = imaging.image_tokens(skeleton, pixels, len(images))
-    token = imaging.image_token_id(hf_config)
-    where = [i for i, t in enumerate(ids) if t == token]
+    names = forward_names(skeleton)
+    per_token, pixels = {}, {}
+    for key, value in out.items():
+        if not isinstance(value, torch.Tensor) or key in ("input_ids", "attention_mask") or key not in names:
+            continue
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (1, len(ids)):  # [1, S, ...] beside the ids
+            if not _carried(key, hf_config, skeleton):
+                raise ConfigError(
+                    f"{type(processor).__name__} returns {key} {list(value.shape)}, a value per token that "
+                    f"{type(skeleton).__name__}.forward reads and the runtime does not give the captured "
+                    f"language model (it takes ids, positions and its cache): model_type={hf_config.model_type} "
+                    "cannot run here"
+                )
+            per_token[key] = value[0]
+        else:
+            pixels[key] = value
+    tokens = image_token_ids(processor, hf_config)
+    counts = [_image_count(processor, image, tokens) for image in images]
+    where = [i for i, t in enumerate(ids) if t in tokens]
     if len(where) != sum(counts):
         raise ConfigError(
-            f"the checkpoint's processor wrote {len(where)} image tokens for {len(images)} image(s), and the "
-            f"model makes {sum(counts)} of them; check processor_config.json against config.json"
+            f"{type(processor).__name__} wrote {len(where)} image tokens for {len(images)} image(s), and "
+            f"{sum(counts)} for the same images one at a time; check the folder's processor_config.json"
         )
     spans, start = [], 0
     for n in counts:  # each image's tokens in order, whatever the processor writes between them
         spans.append((where[start], where[start + n - 1] + 1))
         start += n
     pixels = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in pixels.items()}
-    return ids, pixels, spans
+    return ids, pixels, per_token, spans
+
+
+def _image_count(processor, image, tokens: set[int]) -> int:
+    """How many image tokens the processor writes for this image alone."""
+    out = processor(text=[image_token_text(processor)], images=[image], return_tensors="pt")
+    return sum(int(t) in tokens for t in out["input_ids"][0].tolist())
+
+
+def check_image_counts(model: torch.nn.Module, processor, hf_config, request) -> None:
+    """Each image's tokens the processor wrote in a request against the features the model makes
+    of it (its vision path on its own weights, once): a processor config that disagrees with the
+    model's is refused before export, naming the file, where Hugging Face's forward would fail
+    mid-generation."""
+    if cross_attention.takes_vision_states(model) or imaging.featurer(model) is None:
+        return  # one token per image, cross-attended; or images that become no prompt tokens
+    tokens = image_token_ids(processor, hf_config)
+    wrote = [sum(t in tokens for t in request.prompt[s:e]) for s, e in request.image_spans]
+    made = imaging.image_tokens(model, request.images, len(wrote))
+    if wrote != made:
+        raise StageFailure(
+            f"{type(processor).__name__} wrote {wrote} image tokens for the image(s) of request "
+            f"{request.seq_id}, and the model makes {made} of them; check the folder's processor_config.json "
+            "against its config.json"
+        )

@@ -35,7 +35,10 @@ class Positions:
             return None, 0
         if request.seq_id not in self._cache:
             ids = torch.tensor(request.prompt)[None]  # [1, S]
-            token_types = (ids == self.image_token).int()  # 1 marks an image token, as the processor does
+            token_types = request.token_inputs.get("mm_token_type_ids")  # the processor's, else derived
+            if token_types is None:
+                token_types = ids == self.image_token  # 1 marks an image token, as the processor does
+            token_types = token_types.reshape(1, -1).int().cpu()
             grid = request.images["image_grid_thw"].cpu()
             positions, delta = self.rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=grid)
             self._cache[request.seq_id] = (positions[:, 0], int(delta.reshape(-1)[0]))  # [3, S]

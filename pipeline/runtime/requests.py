@@ -39,6 +39,9 @@ class Request:
     # [P, images, tiles]: the tiles each prompt token attends, for a family whose language model
     # cross-attends the vision states (models/cross_attention.py); None otherwise
     cross_attention_mask: torch.Tensor | None = None
+    # what the family's processor returned per prompt token ([P, ...] each; models/processor.py
+    # PER_TOKEN): read in place of what the runtime would derive from the ids
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def unsplit_span(self) -> tuple[int, int] | None:
@@ -68,15 +71,22 @@ def sources_of(checkpoint: str | None, hf_config, skeleton: torch.nn.Module) -> 
     """The sources a checkpoint folder gives (none without one), and the skeleton."""
     tokenizer = load_tokenizer(checkpoint)
     image_processor = imaging.checkpoint_image_processor(checkpoint)
-    processor = load_processor(checkpoint, hf_config.model_type, tokenizer, image_processor)
+    processor = load_processor(checkpoint, tokenizer)
     return Sources(tokenizer, image_processor, skeleton, processor)
 
 
 def with_mask_spans(hf_config, request: Request) -> Request:
     """The request with what its model's masks read filled in: the spans it attends both ways
-    (models/masks.py), the tiles each token cross-attends (models/cross_attention.py)."""
-    request.bidirectional = masks.bidirectional_spans(hf_config, request.prompt)
-    if request.images and zoo.takes_vision_states(hf_config):
+    (models/masks.py), the tiles each token cross-attends (models/cross_attention.py); from the
+    processor's per-token outputs where the request has them, else from the ids."""
+    types = request.token_inputs.get("token_type_ids")
+    if types is not None:
+        request.bidirectional = masks.spans_from_token_types(hf_config, types.tolist())
+    else:
+        request.bidirectional = masks.bidirectional_spans(hf_config, request.prompt)
+    if "cross_attention_mask" in request.token_inputs:
+        request.cross_attention_mask = request.token_inputs["cross_attention_mask"]
+    elif request.images and zoo.takes_vision_states(hf_config):
         request.cross_attention_mask = cross_attention_rows(hf_config, request.prompt, request.images)
     return request
 
@@ -131,10 +141,10 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
         return with_mask_spans(hf_config, Request(seq_id, ids))
     images = [imaging.load_image(str(p)) for p in query.images]
     if sources.processor is not None:
-        prompt, pixels, spans = processed(
+        prompt, pixels, per_token, spans = processed(
             sources.processor, hf_config, text, images, sources.skeleton, dtype, device
         )
-        return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans))
+        return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans, token_inputs=per_token))
     placeholder = imaging.chat_placeholder(hf_config, tokenizer)
     where = [i for i, token in enumerate(ids) if token == placeholder]
     if len(where) != len(query.images):

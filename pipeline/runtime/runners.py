@@ -51,6 +51,13 @@ def _images(chunks: list[Chunk]) -> dict[str, torch.Tensor]:
     return concat_pixels([c.request.images for c in chunks if c.has_images])
 
 
+def _token_types(hf_config, request: Request) -> list[int] | None:
+    """The token_type_ids of a request's prompt: its processor's, else the family's rule."""
+    if "token_type_ids" in request.token_inputs:
+        return request.token_inputs["token_type_ids"].tolist()
+    return masks.token_type_ids(hf_config, request.prompt)
+
+
 def _first_with_images(chunks: list[Chunk]) -> list[Chunk]:
     """The chunks that begin a request with images: a cross-attention family's every prompt token
     reads the request's vision states, so they are made in its first step."""
@@ -274,7 +281,7 @@ class EagerRunner:
                 ).to(self.device)  # [B, W, images, tiles], left-padded with rows that attend nothing
                 kwargs["cross_attention_mask"] = padded
                 self.cross_rows = padded[:, -1:]
-            types = [masks.token_type_ids(self.hf_config, r.prompt) for r in requests]
+            types = [_token_types(self.hf_config, r) for r in requests]
             if types[0] is not None:  # left-padded as the ids; pads are masked out anyway
                 kwargs["token_type_ids"] = torch.tensor(
                     [[0] * (width - len(t)) + t for t in types], device=self.device

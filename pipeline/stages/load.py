@@ -11,6 +11,7 @@ from pipeline.models import build, checkpoint, meta, probe, zoo
 from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_bytes, human_count
+from pipeline.models.processor import check_image_counts
 from pipeline.parallel import tensor_parallel
 from pipeline.runtime.requests import sources_of
 from pipeline.state import ModelInfo, RunState, StageResult
@@ -76,6 +77,11 @@ def run(state: RunState) -> StageResult:
             "the linears the shard transform splits get only this rank's slice"
         )
     state.sources = sources_of(model_cfg.checkpoint, state.hf_config, skeleton)
+    if state.sources.processor is not None and state.cfg.prompt.queries:
+        # the folder's processor against the model it loaded, once, before any graph is made of it
+        with_images = next((r for r in state.workload() if r.images), None)
+        if with_images is not None:
+            check_image_counts(model, state.sources.processor, state.hf_config, with_images)
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
         params=report.params,

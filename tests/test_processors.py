@@ -1,0 +1,193 @@
+"""Chat requests as the family's own processor makes them, checked against Hugging Face: for each
+VLM family whose Processor builds offline, a folder saved by `save_pretrained` (weights, a
+tokenizer with the family's chat template, the Processor itself), and `model=hf
+model.checkpoint=<folder>` with a mixed batch (text, one image, two images). The prompt ids and
+the greedy tokens equal `AutoProcessor` + `apply_chat_template` + `generate` on the same folder,
+each request alone, with capture=none and with capture=partial."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import save_checkpoint
+from conftest import build_tiny, compose_dict, staged
+from PIL import Image
+from test_checkpoints import hydra_value
+
+from pipeline.__main__ import check_config
+from pipeline.errors import ConfigError
+from pipeline.models import zoo
+from pipeline.models.processor import processed
+from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.requests import build_requests
+from pipeline.runtime.sampling import SamplingParams
+
+# Families whose whole Processor a folder carries in tests/checkpoints.py
+PROCESSOR_FAMILIES = [
+    "tiny_mistral3",
+    "tiny_qwen2_5_vl",
+    "tiny_qwen2_vl",
+    "tiny_qwen3_vl",
+    "tiny_idefics3",
+    "tiny_aya_vision",
+    "tiny_mllama",
+    "tiny_llava",
+    "tiny_llava_next",
+    "tiny_vipllava",
+    "tiny_gemma3",
+]
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> list:
+    root = tmp_path_factory.mktemp("pictures")
+    paths = []
+    for index, (height, width) in enumerate([(60, 90), (70, 40)]):
+        generator = torch.Generator().manual_seed(index)
+        pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+        paths.append(root / f"picture{index}.png")
+        Image.fromarray(pixels.numpy()).save(paths[-1])
+    return paths
+
+
+def _mixed_batch(pictures) -> list:
+    """Chat messages: text alone, one image, two images."""
+
+    def image(path):
+        return {"type": "image", "url": f"file://{path}"}
+
+    def text(words):
+        return {"type": "text", "text": words}
+
+    return [
+        [{"role": "user", "content": [text("how big is the universe?")]}],
+        [{"role": "user", "content": [text("please describe this image"), image(pictures[0])]}],
+        [{"role": "user", "content": [image(pictures[0]), text("compare this image"), image(pictures[1])]}],
+    ]
+
+
+def _hugging_face(folder, messages: list, model_cls) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy tokens) of each chat alone, as Hugging Face's processor and generate make them."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    model = model_cls.from_pretrained(folder, local_files_only=True).eval()
+    out = []
+    for chat in messages:
+        text = processor.apply_chat_template(chat, add_generation_prompt=True)
+        paths = [
+            part["url"].removeprefix("file://") for part in chat[0]["content"] if part["type"] == "image"
+        ]
+        images = [Image.open(p).convert("RGB") for p in paths] or None
+        inputs = processor(text=[text], images=images, return_tensors="pt")
+        with torch.no_grad():
+            ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+        prompt = inputs["input_ids"][0].tolist()
+        out.append((prompt, ids[len(prompt) :].tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def processor_folders(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("processor_folders")
+    return {name: save_checkpoint(build_tiny(name, seed=5)[0], root / name) for name in PROCESSOR_FAMILIES}
+
+
+@pytest.mark.parametrize("capture", ["none", "partial"])
+@pytest.mark.parametrize("name", PROCESSOR_FAMILIES)
+def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
+    name, capture, processor_folders, pictures, tmp_path
+):
+    folder = processor_folders[name]
+    messages = _mixed_batch(pictures)
+    overrides = [
+        "model=hf",
+        f"model.checkpoint={folder}",
+        f"prompt.queries={hydra_value(messages)}",
+        f"prompt.output_len={NEW_TOKENS}",
+        f"capture={capture}",
+    ]
+    checked = check_config(compose_dict(overrides), cuda_available=False)
+    want = _hugging_face(folder, messages, checked.model_cls)
+    with staged(overrides, "transforms", tmp_path) as state:
+        assert state.sources.processor is not None, "the folder's processor was not loaded"
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources,
+            chunked=capture != "none",
+        )  # fmt: skip
+        assert [r.prompt for r in requests] == [prompt for prompt, _ in want]
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate(requests, NEW_TOKENS, SamplingParams(), seed=0).tokens
+    assert [tokens[r.seq_id] for r in requests] == [generated for _, generated in want]
+
+
+class _Returns:
+    """A processor that returns one more per-token tensor than its family's."""
+
+    def __init__(self, processor, key):
+        self.processor, self.key = processor, key
+        self.image_token, self.tokenizer = processor.image_token, processor.tokenizer
+
+    def __call__(self, **kwargs):
+        out = self.processor(**kwargs)
+        out[self.key] = torch.ones_like(out["input_ids"])
+        return out
+
+
+def test_a_per_token_output_the_graph_cannot_take_is_refused_naming_it(processor_folders, pictures):
+    """Qwen2.5-VL's forward names mm_token_type_ids (its grid positions, which the runtime carries)
+    and labels, which the runtime does not carry (PaliGemma's processor returns them for a suffix):
+    a processor returning labels per token is a config error naming the output and the family, not
+    a tensor dropped."""
+    folder = processor_folders["tiny_qwen2_5_vl"]
+    checked = check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
+    from transformers import AutoProcessor
+
+    from pipeline.models import meta
+
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    skeleton = meta.meta_model(checked.model_cls, checked.hf_config)
+    chat = _mixed_batch(pictures)[1]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    image = [Image.open(pictures[0]).convert("RGB")]
+    cpu = torch.device("cpu")
+    ids, pixels, per_token, spans = processed(
+        processor, checked.hf_config, text, image, skeleton, torch.float32, cpu
+    )
+    assert set(per_token) == {"mm_token_type_ids"} and set(pixels) == {"pixel_values", "image_grid_thw"}
+    assert json.dumps(per_token["mm_token_type_ids"].tolist()) == json.dumps(
+        [int(t == checked.hf_config.image_token_id) for t in ids]
+    )
+    assert spans and spans[0][1] - spans[0][0] == sum(t == checked.hf_config.image_token_id for t in ids)
+    with pytest.raises(ConfigError, match=r"returns labels \[1, \d+\].*model_type=qwen2_5_vl"):
+        processed(_Returns(processor, "labels"), checked.hf_config, text, image, skeleton, torch.float32, cpu)
+
+
+def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken(
+    processor_folders, caplog, tmp_path
+):
+    """A folder whose processor config names a class this transformers lacks: AutoProcessor gives
+    the tokenizer alone, and a WARNING says the processor cannot be built and that chat images take
+    the pipeline's layout, rather than the folder's processor being passed over in silence."""
+    import shutil
+
+    from pipeline.models.processor import load_processor
+    from pipeline.models.tokenizer import load_tokenizer
+
+    folder = shutil.copytree(processor_folders["tiny_qwen2_5_vl"], tmp_path / "qwen")
+    settings = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(
+        json.dumps({**settings, "processor_class": "NoSuchProcessor"})
+    )
+    tokenizer = load_tokenizer(str(folder))
+    with caplog.at_level("WARNING", logger="pipeline.models.processor"):
+        assert load_processor(str(folder), tokenizer) is None
+    assert "cannot be built here" in caplog.text and "TokenizersBackend" in caplog.text
+    assert "laid out by the pipeline's rules" in caplog.text
+    assert load_processor(str(processor_folders["tiny_qwen2_5_vl"]), tokenizer) is not None
