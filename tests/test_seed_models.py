@@ -1,6 +1,6 @@
 """Every seed model's tiny variant, and a tiny model of each family added by a YAML alone (LLaVA,
-Gemma 3, PaliGemma, Gemma 2, Qwen 3), through every stage, as a user runs it: one pipeline run per
-model and capture mode, checked stage by stage (what export captured, attention and RoPE matched
+Gemma 3, PaliGemma, Gemma 2, Qwen 3), through every stage, as a user runs it: a sweep over the
+models per capture mode, each job checked stage by stage (what export captured, attention and RoPE matched
 in every layer that has them, demollm's tokens, the profile's module tree and coverage, the
 report). Token parity with Hugging Face generate (batch 1 and 4, images for the VLMs) and with
 each CPU backend is the same matrix in tests/test_runtime.py and tests/test_capture.py."""
@@ -8,6 +8,7 @@ each CPU backend is the same matrix in tests/test_runtime.py and tests/test_capt
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -73,13 +74,15 @@ def _module_fqns(node: dict) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
-def test_partial_capture_through_every_stage(name, tmp_path, tracking_uri):
-    _, hf_config, _ = build_tiny(name)
-    text = zoo.text_config_of(hf_config)
+@pytest.mark.timeout(900)  # one process runs the 20 jobs in turn: 150-250 s on 2 cores
+def test_partial_capture_through_every_stage(tmp_path, tracking_uri):
+    """capture=partial on every model, in one sweep (one process, the jobs in turn), each job
+    checked stage by stage."""
+    names = TINY_MODELS + TINY_FAMILIES
     proc = run_pipeline(
         [
-            f"model={name}",
+            "-m",
+            f"model={','.join(names)}",
             "capture=partial",
             "backend=torch-simple",
             "prompt.batch_size=2",
@@ -89,39 +92,62 @@ def test_partial_capture_through_every_stage(name, tmp_path, tracking_uri):
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
+        timeout=850,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "run"
     _, runs = mlflow_runs(tracking_uri)
-    metrics = runs[0].data.metrics
-    assert metrics["transform/match_attention/matches"] == text.num_hidden_layers
-    assert metrics["transform/match_rope/matches"] >= _layers_with(hf_config, "rope")
-    assert metrics["correctness/max_abs_err"] < 1e-3
+    jobs = {r.data.tags["model"]: r for r in runs if r.data.tags.get("sweep") != "parent"}
+    assert sorted(jobs) == sorted(names)
+    for name in names:
+        _check_every_stage(name, jobs[name])
+
+
+def _check_every_stage(name: str, job) -> None:
+    _, hf_config, _ = build_tiny(name)
+    text = zoo.text_config_of(hf_config)
+    run, metrics = Path(job.data.tags["run_dir"]), job.data.metrics
+    assert metrics["transform/match_attention/matches"] == text.num_hidden_layers, name
+    assert metrics["transform/match_rope/matches"] >= _layers_with(hf_config, "rope"), name
+    assert metrics["correctness/max_abs_err"] < 1e-3, name
 
     summary = json.loads((run / "export" / "summary.json").read_text())
     captured = [g["path"] for g in summary["graphs"]]
-    assert len(captured) == 1 and (zoo.is_vlm(hf_config) == (captured[0] != "root"))
+    assert len(captured) == 1 and (zoo.is_vlm(hf_config) == (captured[0] != "root")), name
     tokens = json.loads((run / "generation" / "tokens.json").read_text())
-    assert [len(t["tokens"]) for t in tokens] == [4, 4]
+    assert [len(t["tokens"]) for t in tokens] == [4, 4], name
 
     profile = json.loads((run / "profile" / "profile.json").read_text())
     prefix = "model." if captured[0] == "root" else f"{captured[0]}."
     for phase in ("prefill", "decode_1"):
         fqns = _module_fqns(profile["phases"][phase]["model_stats"])
-        assert {f"{prefix}layers.{i}" for i in range(text.num_hidden_layers)} <= fqns, (phase, sorted(fqns))
+        assert {f"{prefix}layers.{i}" for i in range(text.num_hidden_layers)} <= fqns, (
+            name,
+            phase,
+            sorted(fqns),
+        )
     for phase in ("prefill", "decode_1"):
         stats = profile["phases"][phase]["model_stats"]
         # counted, not timed (conftest): 99-100 % and 94-97 % on the tiny models
-        assert attributed_kernel_pct(stats) > 98 and layer_kernel_pct(stats) > 85, phase
-    assert 0 < metrics["profile/layer_coverage_pct"] <= 100 and 0 < metrics["profile/coverage_pct"] <= 100
-    assert (run / "report" / "report.html").exists() and (run / "plots" / "module_breakdown.png").exists()
+        assert attributed_kernel_pct(stats) > 98 and layer_kernel_pct(stats) > 85, (name, phase)
+    assert 0 < metrics["profile/layer_coverage_pct"] <= 100 and 0 < metrics["profile/coverage_pct"] <= 100, (
+        name
+    )
+    assert (run / "report" / "report.html").exists() and (run / "plots" / "module_breakdown.png").exists(), (
+        name
+    )
 
 
-@pytest.mark.parametrize("name", TINY_MODELS + TINY_FAMILIES)
-def test_full_capture_works_or_fails_with_its_reason(name, tmp_path, tracking_uri):
+@pytest.mark.timeout(900)  # one process runs the 20 jobs in turn: 150-250 s on 2 cores
+def test_full_capture_works_or_fails_with_its_reason(tmp_path, tracking_uri):
+    """capture=full on every model, in one sweep as a user would run it (one process, the jobs in
+    turn): each job finishes, or fails at the stage and with the reason FULL_CAPTURE names, its
+    report saying so; a job that fails at generate had its whole graph exported, transformed and
+    checked against eager first."""
+    names = TINY_MODELS + TINY_FAMILIES
     proc = run_pipeline(
         [
-            f"model={name}",
+            "-m",
+            f"model={','.join(names)}",
             "capture=full",
             "backend=torch-simple",
             "prompt.output_len=4",
@@ -129,17 +155,21 @@ def test_full_capture_works_or_fails_with_its_reason(name, tmp_path, tracking_ur
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
+        timeout=850,
     )
-    expected = FULL_CAPTURE[name]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the jobs FULL_CAPTURE expects to fail did
     _, runs = mlflow_runs(tracking_uri)
-    if expected is None:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert runs[0].info.status == "FINISHED"
-        return
-    stage, reason = expected
-    assert proc.returncode == 1
-    assert runs[0].data.tags["failed_stage"] == stage and reason in runs[0].data.tags["error"]
-    report = (tmp_path / "run" / "report" / "report.md").read_text()
-    assert f"FAILED at stage '{stage}'" in report
-    if stage == "generate":  # the full graph was exported, transformed and checked against eager
-        assert runs[0].data.metrics["correctness/max_abs_err"] < 1e-3
+    jobs = {r.data.tags["model"]: r for r in runs if r.data.tags.get("sweep") != "parent"}
+    assert sorted(jobs) == sorted(names)
+    for name in names:
+        run, expected = jobs[name], FULL_CAPTURE[name]
+        if expected is None:
+            assert run.info.status == "FINISHED", (name, run.data.tags.get("error"))
+            continue
+        stage, reason = expected
+        assert run.info.status == "FAILED", name
+        assert run.data.tags["failed_stage"] == stage and reason in run.data.tags["error"], name
+        report = (Path(run.data.tags["run_dir"]) / "report" / "report.md").read_text()
+        assert f"FAILED at stage '{stage}'" in report, name
+        if stage == "generate":  # the full graph was exported, transformed and checked against eager
+            assert run.data.metrics["correctness/max_abs_err"] < 1e-3, name

@@ -97,7 +97,8 @@ def _slices_then_whole(rank: int, overrides: list[str]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [f"tiny_{seed}" for seed in SEED_MODELS])
+# a VLM, multimodal RoPE, mixture-of-experts: the text-only seeds' layers are in these (suite budget)
+@pytest.mark.parametrize("name", ["tiny_mistral3", "tiny_qwen2_5_vl", "tiny_llama4_scout"])
 def test_ranks_holding_only_their_slices_generate_one_process_tokens(name):
     """runtime.tp_weights=shard: the language model's linears are never allocated whole on a rank,
     only the slices it keeps (and whole, the ones no region splits); the tokens are one process's."""
@@ -151,7 +152,8 @@ def test_tp_plan_source_takes_the_models_plan_and_the_lm_head_can_stay_whole():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "backend"),
-    [(f"tiny_{seed}", backend) for seed in SEED_MODELS for backend in ("torch-simple", "torch-compile")],
+    # every seed with torch-simple; torch-compile's collectives in the graph on one (suite budget)
+    [*((f"tiny_{seed}", "torch-simple") for seed in SEED_MODELS), ("tiny_mistral3", "torch-compile")],
 )
 def test_greedy_tokens_of_two_ranks_are_one_process_tokens(name, backend):
     """load -> export -> transforms (with their correctness check) -> capture -> generate on each
