@@ -218,7 +218,8 @@ def build_tokenizer(model_type: str, vocab_size: int):
         unk_token="<unk>",
         pad_token="<unk>",
         additional_special_tokens=list(family["specials"]),
-        extra_special_tokens=family.get("named", {}),  # tokenizer.image_token ... as processors read them
+        # tokenizer.image_token ... as processors read them (an empty dict would drop the specials)
+        **({"extra_special_tokens": family["named"]} if "named" in family else {}),
     )
     tokenizer.chat_template = family["template"]
     return tokenizer

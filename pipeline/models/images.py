@@ -83,14 +83,15 @@ def _processor_class(name: str) -> type:
 
 
 def checkpoint_image_processor(checkpoint: str | None):
-    """The image processor a model folder saved (preprocessor_config.json), or None."""
+    """The image processor a model folder saved (preprocessor_config.json), or None: as
+    AutoImageProcessor loads it (torchvision's flavour where torchvision imports, as Hugging Face
+    takes it, so the pixels are the ones its processor makes)."""
     path = Path(checkpoint or "") / "preprocessor_config.json"
-    if not checkpoint or not path.is_file():
+    if not checkpoint or not path.is_file() or not json.loads(path.read_text()).get("image_processor_type"):
         return None
-    name = json.loads(path.read_text()).get("image_processor_type")
-    if not name:
-        return None
-    return _processor_class(name).from_pretrained(checkpoint, local_files_only=True)
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(checkpoint, local_files_only=True)
 
 
 def _mistral3(config, images: list[Image.Image], processor) -> ImageBatch:
