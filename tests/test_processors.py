@@ -191,3 +191,14 @@ def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken
     assert "cannot be built here" in caplog.text and "TokenizersBackend" in caplog.text
     assert "laid out by the pipeline's rules" in caplog.text
     assert load_processor(str(processor_folders["tiny_qwen2_5_vl"]), tokenizer) is not None
+
+
+def test_synthetic_image_requests_say_whose_layout_they_take(tmp_path):
+    """The default workload of a VLM (random ids and a synthetic image) is laid out by the
+    pipeline's rules, not by a processor: the load stage says so in one line; a text model's does
+    not."""
+    line = "synthetic image requests are laid out by the pipeline's rules"
+    with staged(["model=tiny_llava"], "load", tmp_path / "vlm") as state:
+        assert sum(line in note for note in state.stages[-1].notes) == 1
+    with staged(["model=tiny_qwen3"], "load", tmp_path / "text") as state:
+        assert not any(line in note for note in state.stages[-1].notes)

@@ -110,6 +110,11 @@ def run(state: RunState) -> StageResult:
         notes.append(f"the model counts positions from {info.position_offset}; explicit positions do too")
     if state.example_inputs.note:
         notes.append(state.example_inputs.note)
+    if info.is_vlm and not state.cfg.prompt.queries:
+        notes.append(
+            "synthetic image requests are laid out by the pipeline's rules for the family (models/images.py), "
+            "not by its processor; chat queries (prompt.queries) with a folder's processor are its output"
+        )
     return StageResult(
         metrics={
             "model/params": info.params,
