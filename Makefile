@@ -9,7 +9,7 @@ PINNED := .ci/pinned.txt
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-all test-browser soak test-latest bench bench-tp sweep ui lint clean
+.PHONY: setup run test test-all test-browser soak test-latest bench bench-setup bench-tp sweep ui lint clean
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,11 @@ bench: setup
 
 # Decode with the language model sharded over 2 gloo ranks against one process (BENCHMARKS.tp.json,
 # shown in BENCHMARKS.md); on GPUs: `$(PY) -m pipeline.bench.tensor_parallel --device cuda --worlds 1,2,4,8`.
+# `make setup` from a fresh clone, timed per torch choice (BENCHMARKS.setup.json, shown in BENCHMARKS.md)
+bench-setup: setup
+	$(PY) -m pipeline.bench.setup $(ARGS)
+	$(PY) -m pipeline.bench --render
+
 bench-tp: setup
 	$(PY) -m pipeline.bench.tensor_parallel $(ARGS)
 	$(PY) -m pipeline.bench --render

@@ -294,3 +294,22 @@ def test_tensor_parallel_blocks_on_a_tiny_model():
     assert all(r["peak_rss_bytes"] > 0 for b in blocks.values() for r in b["ranks"])
     table = tensor_parallel.markdown(result)
     assert all(f"| {label} |" in table for label in blocks) and "failed" not in table
+
+
+def test_the_setup_block_shows_each_torch_choice():
+    """BENCHMARKS.setup.json's rows as BENCHMARKS.md shows them: one per torch choice, seconds and GB."""
+    from pipeline.bench import setup
+
+    result = {
+        "date": "2026-01-01",
+        "commit": "abc1234",
+        "machine": {"cpu": "a CPU", "cores": "2"},
+        "rows": [
+            {"torch": setup.CHOICES[0], "seconds": 130.04, "venv_gb": 7.21},
+            {"torch": setup.CHOICES[1], "seconds": 99.6, "venv_gb": 3.69},
+        ],
+    }
+    text = setup.markdown(result)
+    assert f"| `{setup.CHOICES[0]}` | 130 s | 7.2 GB |" in text
+    assert f"| `{setup.CHOICES[1]}` | 100 s | 3.7 GB |" in text
+    assert "fresh clone of abc1234" in text

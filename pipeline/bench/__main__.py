@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
-from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, tensor_parallel
+from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, setup, tensor_parallel
 from pipeline.bench.load import SPILL_FRACTION, TOUCH_HEADROOM, bench_load
 from pipeline.bench.machine import machine
 from pipeline.bench.prepare import prepared
@@ -205,6 +205,8 @@ def markdown(model: str, results: dict, gpu: dict | None) -> str:
         lines += ["", f"![benchmarks]({results['plot']})"]
     if tensor_parallel.RESULTS.exists() and not partial:  # `make bench-tp`, a run of its own
         lines += ["", tensor_parallel.markdown(json.loads(tensor_parallel.RESULTS.read_text())).strip()]
+    if setup.RESULTS.exists() and not partial:  # `make bench-setup`, a run of its own
+        lines += ["", setup.markdown(json.loads(setup.RESULTS.read_text())).strip()]
     if gpu and not partial:
         lines += ["", *gpu_markdown(gpu)]
     return "\n".join(lines) + "\n"
