@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from pipeline.models.images import sized_processor
+
 # A chat template that renders the seed's three message forms (string content, or text and image
 # parts) with the family's role and image markers; `add_generation_prompt` opens the reply.
 _PARTS = (
@@ -123,6 +125,72 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<image>")
         + " {%- endfor %}{%- if add_generation_prompt %}ASSISTANT:{%- endif %}",
     },
+    "internvl": {  # the template writes the context token, which the processor wraps and repeats
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<img>": 497,
+            "</img>": 498,
+            "<IMG_CONTEXT>": 500,
+            "<video>": 499,
+        },
+        "named": {
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        },
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<IMG_CONTEXT>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "glm4v": {  # the image token wrapped in begin/end markers by the template, repeated by the processor
+        "specials": {
+            "<|user|>": 3,
+            "<|assistant|>": 4,
+            "<|image|>": 500,
+            "<|video|>": 501,
+            "<|begin_of_image|>": 502,
+            "<|end_of_image|>": 503,
+            "<|begin_of_video|>": 504,
+            "<|end_of_video|>": 505,
+        },
+        "template": "{%- for m in messages %}<|{{ m['role'] }}|> "
+        + _PARTS.replace("IMAGE", "<|begin_of_image|><|image|><|end_of_image|>")
+        + "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{%- endif %}",
+    },
+    "llava_onevision": {  # Qwen2's turns, LLaVA's <image>
+        "specials": {"<|im_start|>": 3, "<|im_end|>": 4, "<image>": 500, "<video>": 501},
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<image>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "paligemma": {  # a prefix-LM with no chat turns: the processor puts bos after the images
+        "specials": {"<image>": 500},
+        "named": {"image_token": "<image>"},
+        "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "<image>") + "{%- endfor %}",
+    },
+    "deepseek_vl": {  # "User: ...\n\nAssistant:", one placeholder an image, repeated by the processor
+        "specials": {"<image_placeholder>": 500},
+        "named": {"image_token": "<image_placeholder>"},
+        "template": "{%- for m in messages %}{{ m['role'] | capitalize }}: "
+        + _PARTS.replace("IMAGE", "<image_placeholder>")
+        + " {%- endfor %}{%- if add_generation_prompt %}Assistant:{%- endif %}",
+    },
+    "paddleocr_vl": {  # the placeholder between start and end markers, repeated by the processor
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<|IMAGE_PLACEHOLDER|>": 500,
+            "<|video_pad|>": 501,
+            "<|IMAGE_START|>": 502,
+            "<|IMAGE_END|>": 503,
+        },
+        "named": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
         "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -148,6 +216,13 @@ FAMILY_OF = {
     "idefics3": "idefics3",
     "mllama": "mllama",
     "aya_vision": "aya_vision",
+    "internvl": "internvl",
+    "glm4v": "glm4v",
+    "llava_onevision": "llava_onevision",
+    "paligemma": "paligemma",
+    "deepseek_vl": "deepseek_vl",
+    "paddleocr_vl": "paddleocr_vl",
+    "smolvlm": "idefics3",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -168,6 +243,34 @@ PROCESSOR_KWARGS = {
     "idefics3": {"image_seq_len": 1},
     "mllama": {},
     "aya_vision": {"patch_size": 14, "img_size": 28, "downsample_factor": 2},  # 1 token a tile
+    # (image / patch)^2 * downsample_ratio^2 tokens a tile, as its docstring says
+    "internvl": lambda c: {
+        "image_seq_length": int(
+            (c.vision_config.image_size[0] // c.vision_config.patch_size[0]) ** 2 * c.downsample_ratio**2
+        ),
+        "video_processor": transformers.InternVLVideoProcessor(),
+    },
+    # OneVision's processor counts the base image's patches itself (no CLS token under "full")
+    "llava_onevision": lambda c: {
+        "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2,
+        "vision_feature_select_strategy": c.vision_feature_select_strategy,
+        "vision_aspect_ratio": c.vision_aspect_ratio,
+        "video_processor": transformers.LlavaOnevisionVideoProcessor(),
+    },
+    "paligemma": {},
+    "smolvlm": lambda c: {
+        "image_seq_len": 1,  # as Idefics3's: one token a tile
+        "video_processor": transformers.SmolVLMVideoProcessor(),
+    },
+    "llama4": lambda c: {
+        "patch_size": c.vision_config.patch_size,
+        "pixel_shuffle_ratio": c.vision_config.pixel_shuffle_ratio,
+    },
+    "paddleocr_vl": {},
+    "deepseek_vl": lambda c: {
+        "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2
+    },
+    "glm4v": lambda c: {"video_processor": _qwen_video(c, transformers.Glm4vVideoProcessor)},
 }
 
 
@@ -226,17 +329,21 @@ def build_tokenizer(model_type: str, vocab_size: int):
 
 
 def build_image_processor(hf_config):
-    """The family's image processor (PIL flavour), sized as a published one is for the tiny vision
-    config; None for Llama-4, whose image processor needs torchvision (the pipeline tiles itself).
-    The processors around them need torchvision too (Pixtral's; Qwen2.5-VL's video half), which does
-    not install beside the CPU torch: the image processor's config is what a folder gives here."""
-    import transformers
-
+    """The family's image processor, sized as a published one is for the tiny vision config where
+    the pipeline's `sized_processor` would size it otherwise (a pixel budget of a few merged
+    patches, the config's tile resolutions, PaliGemma's token count); None where it sizes it alike."""
     vision = hf_config.vision_config
     if hf_config.model_type == "mistral3":
         step = vision.patch_size * hf_config.spatial_merge_size
         return transformers.PixtralImageProcessorPil(
             size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
+        )
+    if hf_config.model_type == "paddleocr_vl":  # a pixel budget (its size edges) of 1 to 16 merged patches
+        step = vision.patch_size * vision.spatial_merge_size
+        return transformers.PaddleOCRVLImageProcessorPil(
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            size={"shortest_edge": step * step, "longest_edge": 16 * step * step},
         )
     if hf_config.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
         step = vision.patch_size * vision.spatial_merge_size
@@ -247,11 +354,13 @@ def build_image_processor(hf_config):
             min_pixels=step * step,
             max_pixels=16 * step * step,
         )
-    if hf_config.model_type == "llava_next":  # its tiles cut at the config's resolutions
-        from pipeline.models.images import sized_processor
-
+    if hf_config.model_type in ("llava_next", "llava_onevision"):  # its tiles cut at the config's resolutions
         processor = sized_processor(hf_config)
         processor.image_grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
+        return processor
+    if hf_config.model_type == "paligemma":  # its Processor writes as many tokens as this says
+        processor = sized_processor(hf_config)
+        processor.image_seq_length = hf_config.text_config.num_image_tokens
         return processor
     return None
 
@@ -277,8 +386,6 @@ def save_checkpoint(
         processor.save_pretrained(folder)
     if config.model_type in PROCESSOR_KWARGS:
         from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-        from pipeline.models.images import sized_processor
 
         processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
         settings = PROCESSOR_KWARGS[config.model_type]

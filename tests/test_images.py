@@ -56,7 +56,8 @@ def test_each_hand_written_rule_gives_what_the_generic_path_cannot():
     family's image processor sized by the config, the count from the model) gives other inputs:
     Pixtral's processor keeps its own 16-pixel patch, not the config's patch * merge step (other
     pixel sizes); Qwen2-VL's leaves out the vision start and end tokens its processor's chat
-    template writes around each image; Llama-4's image processor needs torchvision."""
+    template writes around each image; Llama-4's image processor is torchvision's alone, which a
+    torch without torchvision (`make setup TORCH=torch==2.13.0`) lacks."""
     image = images.synthetic_image(56, torch.Generator().manual_seed(0))
     cpu = torch.device("cpu")
     hf_config, skeleton = _skeleton("tiny_mistral3")
@@ -71,7 +72,9 @@ def test_each_hand_written_rule_gives_what_the_generic_path_cannot():
     generic = images._fixed_size(hf_config, [image], None, skeleton)
     assert ruled.prefix == [hf_config.vision_start_token_id] and generic.prefix == []
 
-    assert images.image_processor_class("llama4") is None
+    import transformers
+
+    assert images.image_processor_class("llama4") is transformers.Llama4ImageProcessor
 
 
 def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(monkeypatch):

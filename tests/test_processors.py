@@ -37,7 +37,17 @@ PROCESSOR_FAMILIES = [
     "tiny_llava_next",
     "tiny_vipllava",
     "tiny_gemma3",
+    "tiny_internvl",
+    "tiny_glm4v",
+    "tiny_llava_onevision",
+    "tiny_paligemma",
+    "tiny_deepseek_vl",
+    "tiny_paddleocr_vl",
+    "tiny_llama4_scout",
+    "tiny_smolvlm",
 ]
+# Processors that refuse a text without images (PaliGemma's): their batch is the image requests
+NEEDS_IMAGES = {"tiny_paligemma"}
 NEW_TOKENS = 4
 
 
@@ -82,7 +92,8 @@ def _hugging_face(folder, messages: list, model_cls) -> list[tuple[list[int], li
             part["url"].removeprefix("file://") for part in chat[0]["content"] if part["type"] == "image"
         ]
         images = [Image.open(p).convert("RGB") for p in paths] or None
-        inputs = processor(text=[text], images=images, return_tensors="pt")
+        # pixels in the model's dtype, as HF's examples cast them (Llama 4's processor gives bfloat16)
+        inputs = processor(text=[text], images=images, return_tensors="pt").to(model.dtype)
         with torch.no_grad():
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0]
         prompt = inputs["input_ids"][0].tolist()
@@ -91,18 +102,35 @@ def _hugging_face(folder, messages: list, model_cls) -> list[tuple[list[int], li
 
 
 @pytest.fixture(scope="module")
+def hf_tokens() -> dict:
+    """Hugging Face's (prompt ids, tokens) per family, made once for both capture modes."""
+    return {}
+
+
+class _Folders(dict):
+    """Each family's folder, saved when a test first asks for it (a worker runs some families)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = save_checkpoint(build_tiny(name, seed=5)[0], self.root / name)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
 def processor_folders(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("processor_folders")
-    return {name: save_checkpoint(build_tiny(name, seed=5)[0], root / name) for name in PROCESSOR_FAMILIES}
+    return _Folders(tmp_path_factory.mktemp("processor_folders"))
 
 
 @pytest.mark.parametrize("capture", ["none", "partial"])
 @pytest.mark.parametrize("name", PROCESSOR_FAMILIES)
 def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
-    name, capture, processor_folders, pictures, tmp_path
+    name, capture, processor_folders, pictures, hf_tokens, tmp_path
 ):
     folder = processor_folders[name]
-    messages = _mixed_batch(pictures)
+    messages = _mixed_batch(pictures)[1 if name in NEEDS_IMAGES else 0 :]
     overrides = [
         "model=hf",
         f"model.checkpoint={folder}",
@@ -111,7 +139,9 @@ def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
         f"capture={capture}",
     ]
     checked = check_config(compose_dict(overrides), cuda_available=False)
-    want = _hugging_face(folder, messages, checked.model_cls)
+    if name not in hf_tokens:
+        hf_tokens[name] = _hugging_face(folder, messages, checked.model_cls)
+    want = hf_tokens[name]
     with staged(overrides, "transforms", tmp_path) as state:
         assert state.sources.processor is not None, "the folder's processor was not loaded"
         cfg = state.cfg
@@ -142,9 +172,8 @@ class _Returns:
 
 def test_a_per_token_output_the_graph_cannot_take_is_refused_naming_it(processor_folders, pictures):
     """Qwen2.5-VL's forward names mm_token_type_ids (its grid positions, which the runtime carries)
-    and labels, which the runtime does not carry (PaliGemma's processor returns them for a suffix):
-    a processor returning labels per token is a config error naming the output and the family, not
-    a tensor dropped."""
+    and position_ids, which the runtime makes itself: a processor returning position ids is a
+    config error naming the output and the family, not a tensor dropped."""
     folder = processor_folders["tiny_qwen2_5_vl"]
     checked = check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
     from transformers import AutoProcessor
@@ -165,8 +194,10 @@ def test_a_per_token_output_the_graph_cannot_take_is_refused_naming_it(processor
         [int(t == checked.hf_config.image_token_id) for t in ids]
     )
     assert spans and spans[0][1] - spans[0][0] == sum(t == checked.hf_config.image_token_id for t in ids)
-    with pytest.raises(ConfigError, match=r"returns labels \[1, \d+\].*model_type=qwen2_5_vl"):
-        processed(_Returns(processor, "labels"), checked.hf_config, text, image, skeleton, torch.float32, cpu)
+    with pytest.raises(ConfigError, match=r"returns position_ids \[1, \d+\].*model_type=qwen2_5_vl"):
+        processed(
+            _Returns(processor, "position_ids"), checked.hf_config, text, image, skeleton, torch.float32, cpu
+        )
 
 
 def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken(

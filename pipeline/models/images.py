@@ -14,7 +14,8 @@ type maps to in transformers, each checked against the model's own image-token c
 - qwen2_vl, qwen2_5_vl: Qwen2VLImageProcessor (PIL): flattened patches [sum h*w, C*T*P*P] and image_grid_thw;
   `<|image_pad|>` repeated h * w / merge^2 times, between the vision start and end tokens.
 - llama4: one tile of the vision tower's size, rescaled and normalized with Llama-4's defaults
-  (mean = std = 0.5), done here: its image processor is torchvision-only.
+  (mean = std = 0.5), done here: its image processor is torchvision-only (a torch without
+  torchvision has none).
   `<|image_start|><|image|>` + (S / patch)^2 * pixel_shuffle_ratio^2 `<|patch|>` + `<|image_end|>`
   (Llama4Processor's single-tile layout).
 Every other VLM (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Gemma 3, PaliGemma, Idefics3, SmolVLM,
@@ -175,12 +176,17 @@ def rule_of(config) -> str | None:
 
 
 def image_processor_class(model_type: str) -> type | None:
-    """The family's image processor in transformers (the PIL flavour), or None."""
+    """The family's image processor in transformers (the PIL flavour; the torchvision one for a
+    family that has no other, Llama 4's), or None."""
     import transformers
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.utils import is_torchvision_available
 
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
-    name = names.get("pil") if isinstance(names, dict) else next((n for n in names if n), None)
+    if isinstance(names, dict):
+        name = names.get("pil") or (names.get("torchvision") if is_torchvision_available() else None)
+    else:
+        name = next((n for n in names if n), None)
     return getattr(transformers, name, None) if name else None
 
 

@@ -13,6 +13,8 @@ What a processor returns, each output by what the model does with it:
   in the step that holds the images, when the forward names them;
 - per-token tensors (`PER_TOKEN`, [1, S] beside the ids): a request's `token_inputs`, which the
   runtime gives the model at every step (runtime/runners.py, runtime/positions.py);
+- `labels` (PaliGemma's processor returns them beside its token types): the loss's targets, which
+  no logit depends on, left out of generation with a one-line note;
 - any other per-token output the forward names is refused before load: the captured language
   model takes ids, positions and its cache, nothing else per token.
 """
@@ -61,6 +63,10 @@ def load_processor(checkpoint: str | None, tokenizer):
     if getattr(processor, "chat_template", None) is None and tokenizer.chat_template:
         processor.chat_template = tokenizer.chat_template
     return processor
+
+
+# The output a processor returns for the loss alone: no logit depends on it
+LOSS_TARGET = "labels"
 
 
 def _not_built(why: str) -> None:
@@ -123,6 +129,13 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     per_token, pixels = {}, {}
     for key, value in out.items():
         if not isinstance(value, torch.Tensor) or key in ("input_ids", "attention_mask") or key not in names:
+            continue
+        if key == LOSS_TARGET:
+            log.info(
+                "%s returns %s: targets of the training loss, not read by generation",
+                type(processor).__name__,
+                key,
+            )
             continue
         if value.dim() >= 2 and tuple(value.shape[:2]) == (1, len(ids)):  # [1, S, ...] beside the ids
             if not _carried(key, hf_config, skeleton):
