@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, layer_kernel_pct, staged
+from conftest import layer_kernel_pct, staged
 from torch import fx
 
 from pipeline.profiler import cudagraphs, provenance, tree
@@ -176,20 +176,22 @@ def _parents_hold_their_children(node: dict) -> None:
 BETWEEN_LAYERS_PCT = {"tiny_qwen3_vl": 10}
 
 
-# The seed models and the families whose layers differ from LLaVA's (softcapping, QK-norm, deepstack,
-# a bidirectional image span, interleaved RoPE); LLaVA-like ones add no layer shape (suite budget)
-COMPILED_FAMILIES = [
-    "tiny_gemma2",
-    "tiny_qwen3",
-    "tiny_qwen3_vl",
+# One model per kind of decoder layer (suite budget): Mistral 3's dense layer (the text seeds' and
+# LLaVA-like families'), Qwen2.5-VL's multimodal RoPE, Llama 4's MoE with chunked attention, Gemma 3's
+# sliding and global layers with four norms and a bidirectional image span (Gemma 2's kind),
+# Qwen3-VL's QK-norm and DeepStack (Qwen3's), GLM-4V's post-norms and interleaved RoPE
+COMPILED_LAYERS = [
+    "tiny_mistral3",
+    "tiny_qwen2_5_vl",
+    "tiny_llama4_scout",
     "tiny_gemma3",
-    "tiny_internvl",
+    "tiny_qwen3_vl",
     "tiny_glm4v",
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY_MODELS + COMPILED_FAMILIES)
+@pytest.mark.parametrize("name", COMPILED_LAYERS)
 def test_torch_compile_profiles_see_every_layer(name, tmp_path):
     """Under torch-compile every decoder layer shows with its attention and MLP, found through
     Inductor's provenance; at least 95 % of the layer stacks' kernels inside a layer; the eager

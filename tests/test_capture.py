@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, TINY_MOE, generated_tokens, staged
+from conftest import COMPILED_SEEDS, TINY_MOE, generated_tokens, staged
 from test_runtime import _engine, _hf_generate, _requests
 
 from pipeline.backends import cudagraph
@@ -123,7 +123,7 @@ def engine_runtime(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY_MODELS + TINY_MOE)
+@pytest.mark.parametrize("name", COMPILED_SEEDS + TINY_MOE)
 def test_torch_compile_keeps_tokens(name):
     """The runtime parity test with the captured graph compiled (Inductor, dynamic shapes)."""
     engine, hf_config = _engine(name)
@@ -189,7 +189,7 @@ def test_cuda_backends_keep_tokens(backend, tmp_path):
 
 RECOMPILE_CASES = [
     pytest.param("tiny_mistral3", "partial", 1, id="tiny_mistral3-partial-1"),
-    *[pytest.param(m, "partial", 3, id=f"{m}-partial-3", marks=pytest.mark.slow) for m in TINY_MODELS],
+    *[pytest.param(m, "partial", 3, id=f"{m}-partial-3", marks=pytest.mark.slow) for m in COMPILED_SEEDS],
     pytest.param("tiny_llama3_1_8b", "full", 2, id="tiny_llama3_1_8b-full-2", marks=pytest.mark.slow),
     pytest.param("tiny_llama3_1_8b", "none", 2, id="tiny_llama3_1_8b-none-2", marks=pytest.mark.slow),
 ]

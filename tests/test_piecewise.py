@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_MODELS, compose_cfg, generated_tokens, staged, transform_context
+from conftest import COMPILED_SEEDS, compose_cfg, generated_tokens, staged, transform_context
 from test_capture import engine_runtime
 from test_runtime import PAGE, _engine, _hf_generate, _requests
 
@@ -126,7 +126,7 @@ def _pipeline_overrides(name: str, extra: list[str]) -> list[str]:
 
 
 PIPELINE_MODELS = [
-    pytest.param(m, marks=[] if m == "tiny_qwen2_5_vl" else pytest.mark.slow) for m in TINY_MODELS
+    pytest.param(m, marks=[] if m == "tiny_qwen2_5_vl" else pytest.mark.slow) for m in COMPILED_SEEDS
 ]
 
 

@@ -110,7 +110,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
             "hydra.launcher.n_jobs=2",
             "model=tiny_llama3_1_8b",
             "capture=none,partial",
-            "backend=torch-simple,torch-compile",
+            "backend=torch-simple",
             "prompt.output_len=4",
             "profile.decode_steps=2",
             f"tracking.uri={tracking_uri}",
@@ -121,7 +121,7 @@ def test_parallel_jobs_with_joblib_share_the_sqlite_store(tmp_path, tracking_uri
     _, runs = mlflow_runs(tracking_uri)
     parent = sweep_parent(runs)
     children = child_runs(runs, parent)
-    assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     assert all(
         "latency/decode_ms" in r.data.metrics and "profile/coverage_pct" in r.data.metrics for r in children
     )
@@ -139,7 +139,7 @@ def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, t
             "-m",
             f"hydra/launcher={launcher}",
             "model=tiny_mistral3,tiny_llama3_1_8b",
-            "capture=full,partial",
+            "capture=full",  # two jobs: mistral3's fails at export, llama's runs
             "backend=torch-simple",
             "prompt.output_len=4",
             "profile.decode_steps=2",
@@ -151,14 +151,14 @@ def test_cluster_launchers_run_jobs_in_their_own_processes(launcher, tmp_path, t
     assert "sweep: 1 job(s) failed:" in proc.stderr and ": export:" in proc.stderr
     _, runs = mlflow_runs(tracking_uri)
     parent = sweep_parent(runs)
-    assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 1
+    assert parent.data.metrics["sweep/jobs"] == 2 and parent.data.metrics["sweep/failed"] == 1
     children = child_runs(runs, parent)
     status = sorted((r.info.run_name, r.info.status) for r in children)
-    assert [s for _, s in status] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"], status
-    assert status[2][0].startswith("mistral3·full")
+    assert [s for _, s in status] == ["FINISHED", "FAILED"], status
+    assert status[1][0].startswith("mistral3")
     assert all("latency/decode_ms" in r.data.metrics for r in children if r.info.status == "FINISHED")
     if launcher == "local":  # each job ran in a process of its own, with submitit's logs beside it
-        assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 4
+        assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 2
     else:  # in Ray's worker processes, which name the task and their pid before every line they pass on
         assert "(_run_job pid=" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "multirun" / "report" / "sweep.html").exists()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SEED_MODELS, compose_cfg, generated_tokens, staged
+from conftest import COMPILED_SEEDS, compose_cfg, generated_tokens, staged
 from transform_helpers import captured
 from two_ranks import WORLD, spawn
 
@@ -152,13 +152,14 @@ def test_tp_plan_source_takes_the_models_plan_and_the_lm_head_can_stay_whole():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "backend"),
-    # every seed with torch-simple; torch-compile's collectives in the graph on one (suite budget)
-    [*((f"tiny_{seed}", "torch-simple") for seed in SEED_MODELS), ("tiny_mistral3", "torch-compile")],
+    # the seeds with torch-simple (conftest.COMPILED_SEEDS); torch-compile's collectives in the
+    # graph on one (suite budget)
+    [*((name, "torch-simple") for name in COMPILED_SEEDS), ("tiny_mistral3", "torch-compile")],
 )
 def test_greedy_tokens_of_two_ranks_are_one_process_tokens(name, backend):
     """load -> export -> transforms (with their correctness check) -> capture -> generate on each
-    rank, the cached attention holding the rank's KV heads: the tokens of one process, on every
-    seed model (Llama-4: attention split, MoE replicated)."""
+    rank, the cached attention holding the rank's KV heads: the tokens of one process, on the
+    seed models (Llama-4: attention split, MoE replicated)."""
     overrides = [f"model={name}", "capture=partial", f"backend={backend}", "prompt.output_len=8"]
     ranks = spawn(_generate_sharded_then_whole, overrides)
     reference = ranks[0]["reference"]
