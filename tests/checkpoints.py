@@ -191,6 +191,50 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>")
         + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
     },
+    "llava_video": {  # LLaVA's turns with the video token beside the image's
+        "specials": {"<image>": 500, "<video>": 501},
+        "template": "{%- for m in messages %}{{ m['role'] | upper }}: "
+        + _PARTS.replace("IMAGE", "<image>")
+        + " {%- endfor %}{%- if add_generation_prompt %}ASSISTANT:{%- endif %}",
+    },
+    "lighton_ocr": {  # Qwen's turns; the processor repeats the image token, one per merged patch
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<|image_pad|>": 500,
+            "<|vision_pad|>": 501,
+            "<|vision_end|>": 502,
+        },
+        "named": {
+            "image_token": "<|image_pad|>",
+            "image_break_token": "<|vision_pad|>",
+            "image_end_token": "<|vision_end|>",
+        },
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<|image_pad|>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "cohere2_vision": {  # the processor writes each tile's patch tokens and a line break between markers
+        "specials": {
+            "<|START_OF_TURN_TOKEN|>": 4,
+            "<|END_OF_TURN_TOKEN|>": 5,
+            "<|USER_TOKEN|>": 6,
+            "<|CHATBOT_TOKEN|>": 7,
+            "<|START_OF_IMG|>": 496,
+            "<|END_OF_IMG|>": 497,
+            "<|IMG_LINE_BREAK|>": 498,
+            "<|IMG_PATCH|>": 500,
+        },
+        "named": {
+            "boi_token": "<|START_OF_IMG|>",
+            "eoi_token": "<|END_OF_IMG|>",
+            "image_token": "<|IMG_PATCH|>",
+            "img_line_break_token": "<|IMG_LINE_BREAK|>",
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>"
+        + _PARTS.replace("IMAGE", "<|IMG_PATCH|>")
+        + "<|END_OF_TURN_TOKEN|>{%- endfor %}{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
         "template": "{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -223,6 +267,13 @@ FAMILY_OF = {
     "deepseek_vl": "deepseek_vl",
     "paddleocr_vl": "paddleocr_vl",
     "smolvlm": "idefics3",
+    "qwen3_vl_moe": "qwen2_5_vl",
+    "llava_next_video": "llava_video",
+    "video_llava": "llava_video",
+    "glm46v": "glm4v",
+    "glm4v_moe": "glm4v",
+    "lighton_ocr": "lighton_ocr",
+    "cohere2_vision": "cohere2_vision",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -258,6 +309,19 @@ PROCESSOR_KWARGS = {
         "video_processor": transformers.LlavaOnevisionVideoProcessor(),
     },
     "paligemma": {},
+    "qwen3_vl_moe": lambda c: {"video_processor": _qwen_video(c, transformers.Qwen3VLVideoProcessor)},
+    "llava_next_video": lambda c: {
+        **_llava(c),
+        "video_processor": transformers.LlavaNextVideoVideoProcessor(),
+    },
+    "video_llava": lambda c: {**_llava(c), "video_processor": transformers.VideoLlavaVideoProcessor()},
+    "glm46v": lambda c: {"video_processor": _qwen_video(c, transformers.Glm46VVideoProcessor)},
+    "glm4v_moe": lambda c: {"video_processor": _qwen_video(c, transformers.Glm4vVideoProcessor)},
+    "lighton_ocr": lambda c: {
+        "patch_size": c.vision_config.patch_size,
+        "spatial_merge_size": c.spatial_merge_size,
+    },
+    "cohere2_vision": {},
     "smolvlm": lambda c: {
         "image_seq_len": 1,  # as Idefics3's: one token a tile
         "video_processor": transformers.SmolVLMVideoProcessor(),
@@ -333,7 +397,7 @@ def build_image_processor(hf_config):
     the pipeline's `sized_processor` would size it otherwise (a pixel budget of a few merged
     patches, the config's tile resolutions, PaliGemma's token count); None where it sizes it alike."""
     vision = hf_config.vision_config
-    if hf_config.model_type == "mistral3":
+    if hf_config.model_type in ("mistral3", "lighton_ocr"):
         step = vision.patch_size * hf_config.spatial_merge_size
         return transformers.PixtralImageProcessorPil(
             size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
@@ -345,7 +409,7 @@ def build_image_processor(hf_config):
             merge_size=vision.spatial_merge_size,
             size={"shortest_edge": step * step, "longest_edge": 16 * step * step},
         )
-    if hf_config.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
+    if hf_config.model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"):
         step = vision.patch_size * vision.spatial_merge_size
         return transformers.Qwen2VLImageProcessorPil(
             patch_size=vision.patch_size,
@@ -354,10 +418,18 @@ def build_image_processor(hf_config):
             min_pixels=step * step,
             max_pixels=16 * step * step,
         )
-    if hf_config.model_type in ("llava_next", "llava_onevision"):  # its tiles cut at the config's resolutions
+    if hf_config.model_type in (
+        "llava_next",
+        "llava_onevision",
+        "llava_next_video",
+    ):  # its tiles cut at the config's resolutions
         processor = sized_processor(hf_config)
         processor.image_grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
         return processor
+    if hf_config.model_type == "cohere2_vision":  # one 28-pixel tile a token (patch_size: tokens a side)
+        return transformers.Cohere2VisionImageProcessor(
+            size={"height": vision.image_size, "width": vision.image_size}, patch_size=1, max_patches=4
+        )
     if hf_config.model_type == "paligemma":  # its Processor writes as many tokens as this says
         processor = sized_processor(hf_config)
         processor.image_seq_length = hf_config.text_config.num_image_tokens

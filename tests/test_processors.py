@@ -45,6 +45,13 @@ PROCESSOR_FAMILIES = [
     "tiny_paddleocr_vl",
     "tiny_llama4_scout",
     "tiny_smolvlm",
+    "tiny_qwen3_vl_moe",
+    "tiny_llava_next_video",
+    "tiny_video_llava",
+    "tiny_glm46v",
+    "tiny_glm4v_moe",
+    "tiny_lighton_ocr",
+    "tiny_cohere2_vision",
 ]
 # Processors that refuse a text without images (PaliGemma's): their batch is the image requests
 NEEDS_IMAGES = {"tiny_paligemma"}

@@ -160,11 +160,26 @@ PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
 IMAGES_FIRST = ("paligemma",)
 
 
+def _image_processor_names(model_type: str):
+    """transformers' image processor names for the model type; for a type it maps none to, those
+    of a type sharing its Processor class (Qwen3-VL-MoE's are Qwen3-VL's, GLM-4.5V's GLM-4V's)."""
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    if names := IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type):
+        return names
+    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
+    sharing = (
+        t for t, p in PROCESSOR_MAPPING_NAMES.items() if processor and p == processor and t != model_type
+    )
+    return next(
+        (IMAGE_PROCESSOR_MAPPING_NAMES[t] for t in sharing if IMAGE_PROCESSOR_MAPPING_NAMES.get(t)), {}
+    )
+
+
 def processor_name(model_type: str) -> str | None:
     """The name of the image processor transformers maps the model type to, without its flavour."""
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
-
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    names = _image_processor_names(model_type)
     name = next((n for n in (names.values() if isinstance(names, dict) else names) if n), None)
     return name.removesuffix("Pil") if name else None
 
@@ -179,10 +194,9 @@ def image_processor_class(model_type: str) -> type | None:
     """The family's image processor in transformers (the PIL flavour; the torchvision one for a
     family that has no other, Llama 4's), or None."""
     import transformers
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
     from transformers.utils import is_torchvision_available
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    names = _image_processor_names(model_type)
     if isinstance(names, dict):
         name = names.get("pil") or (names.get("torchvision") if is_torchvision_available() else None)
     else:
@@ -316,14 +330,35 @@ def featurer(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def _featuring(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> tuple[str, dict]:
+    """Which of the model and its inner model to ask (its attribute path), and what to pass: the
+    first whose get_image_features gets every argument it requires from the pixel tensors
+    (Video-LLaVA's outer one requires `pixel_values`, its inner one takes the processor's
+    `pixel_values_images`)."""
+    for path in ("", "model"):
+        module = model.get_submodule(path) if path else model
+        if not hasattr(module, "get_image_features"):
+            continue
+        call = taken(module.get_image_features, pixels)
+        required = {
+            name
+            for name, p in inspect.signature(module.get_image_features).parameters.items()
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+        if call and required <= set(call):
+            return path, call
+    return "", taken(featurer(model).get_image_features, pixels)
+
+
 def _image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> list[int]:
-    call = taken(featurer(model).get_image_features, pixels)
+    path, call = _featuring(model, pixels)
     if any(p.is_meta for p in model.parameters()):
         if model not in _COUNTERS:
             _COUNTERS[model] = _counter(model)
         model, call = _COUNTERS[model], {k: v.cpu() for k, v in call.items()}
+    module = model.get_submodule(path) if path else model
     with torch.no_grad():
-        return _counts(featurer(model).get_image_features(**call))
+        return _counts(module.get_image_features(**call))
 
 
 def _counts(out) -> list[int]:
