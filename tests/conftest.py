@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pipeline import REPO_ROOT
+from pipeline.__main__ import YOUNG_COLLECTION_THRESHOLD
 from pipeline.config import PipelineConfig, register_schemas, typed
 from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
@@ -41,6 +43,11 @@ from pipeline.transforms.registry import TransformContext
 # the user's ~/.cache/pipeline; subprocesses inherit it.
 os.environ["PIPELINE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="pipeline-test-kernels-")
 atexit.register(shutil.rmtree, os.environ["PIPELINE_KERNEL_CACHE"], ignore_errors=True)
+
+# The collector as the command sets it for the in-process runs, and the imports' objects (they live
+# as long as the worker) left out of its full passes.
+gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+gc.freeze()
 
 CONF_DIR = str(REPO_ROOT / "conf")
 TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]
