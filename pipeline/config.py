@@ -129,6 +129,11 @@ class ProfileConfig:
     waterfall: bool = False
     # rounds the waterfall's steps are timed in, each visiting every step (docs/profiler.md: the cost)
     waterfall_rounds: int = 3
+    # torch-compile, torch-opt: map each compiled graph's kernels to the modules they compute, through
+    # a second, profiled variant of each graph compiled for the profiled windows (Inductor's
+    # provenance; uncached, so one more compile per graph, per waterfall visit too); false: a graph's
+    # kernels count under the graph module (docs/profiler.md)
+    kernel_provenance: bool = True
 
 
 @dataclass

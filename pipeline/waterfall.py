@@ -116,7 +116,13 @@ def _profile(state: RunState, model, backend: str, trace_dir) -> dict:
 
     trace_dir.mkdir(parents=True, exist_ok=True)
     profiled = session.profile_steps(
-        model, generate, state.cfg.profile.decode_steps, trace_dir, state.device.type == "cuda", backend
+        model,
+        generate,
+        state.cfg.profile.decode_steps,
+        trace_dir,
+        state.device.type == "cuda",
+        backend,
+        state.cfg.profile.kernel_provenance,
     )
     return session.phases_of(profiled, state.cfg.profile.kernel_categories)
 

@@ -5,6 +5,8 @@ the captured run."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import layer_kernel_pct, staged
@@ -13,6 +15,7 @@ from torch import fx
 from pipeline.profiler import cudagraphs, provenance, tree
 from pipeline.profiler.categories import Categorizer
 from pipeline.profiler.events import DeviceEvent, ModuleSpan, OpEvent, Window
+from pipeline.runner import advance
 
 LAYER = (("m.layers.0", "Layer"),)
 ATTN = (*LAYER, ("m.layers.0.attn", "Attention"))
@@ -128,8 +131,6 @@ def test_compiled_calls_become_nested_module_spans():
 
 def _profiled(name: str, backend: str, tmp_path, *extra: str) -> tuple[dict, str]:
     """(profile.json, the captured graph's path) of an in-process run of every stage up to profile."""
-    import json
-
     # The default workload (a 128-token prompt): how much of a layer stack's time falls outside its
     # layers (the vision transformer's mask building) depends on the prompt beside the image.
     overrides = [
@@ -236,3 +237,23 @@ def test_torch_compile_and_torch_simple_name_the_same_modules(tmp_path):
         core = {f for f in theirs if f.endswith(("layers.*", "self_attn", "mlp"))}
         assert len(core) == 3 and core <= ours, (phase, sorted(core), sorted(ours))
         _parents_hold_their_children(simple["phases"][phase]["model_stats"])
+
+
+def test_without_kernel_provenance_no_variant_is_compiled_and_the_graph_keeps_its_kernels(tmp_path):
+    """profile.kernel_provenance=false: the profile compiles nothing (the timed variant runs in its
+    windows), no module is attributed through provenance, and the note names the key."""
+    from pipeline.backends.compile import compiled_frames
+
+    overrides = ["model=tiny_llama3_1_8b", "backend=torch-compile", "prompt.output_len=3"]
+    overrides += ["profile.decode_steps=2", "profile.reference=none", "profile.kernel_provenance=false"]
+    with staged(overrides, "generate", tmp_path) as state:
+        before = compiled_frames()
+        profiled = advance(state, "profile")
+        assert compiled_frames() == before
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    for phase in ("prefill", "decode_1"):
+        stats = profile["phases"][phase]["model_stats"]
+        assert not [n for n in _walk(stats) if n.get("attribution") == "inductor_provenance"], phase
+        assert layer_kernel_pct(stats) == 0, phase
+    note = next(n for n in profiled.stages[-1].notes if n.startswith("inside the graphs"))
+    assert "profile.kernel_provenance=false" in note

@@ -81,14 +81,17 @@ def _ranges_in(segment: fx.GraphModule, prefix: str) -> Iterator[None]:
 
 
 def _instrument_pieces(
-    runner, prefix: str, backend: str, stack: ExitStack, instrumentation: Instrumentation
+    runner, prefix: str, backend: str, stack: ExitStack, instrumentation: Instrumentation, variants: bool
 ) -> None:
     """Each segment of a piecewise runner seen as the graph is: static segments through a profiled
-    variant of their own (compiling backends) or module ranges, layout segments through ranges."""
+    variant of their own (compiling backends; none when `variants` is off) or module ranges, layout
+    segments through ranges."""
     for name, segment in runner.pieces.named_children():
         wrapper = runner.segments.get(name)
         if runner.kinds[name] == "layout" or backend not in COMPILED:
             stack.enter_context(_ranges_in(segment, prefix))
+            continue
+        if not variants:
             continue
         recorder = provenance.ProvenanceRecorder(segment, prefix)
         instrumentation.recorders.append(recorder)
@@ -144,7 +147,11 @@ def _record_sequences(model: nn.Module, instrumentation: Instrumentation) -> Non
 
 
 @contextmanager
-def instrumented(model: nn.Module, backend: str, on_cuda: bool) -> Iterator[Instrumentation]:
+def instrumented(
+    model: nn.Module, backend: str, on_cuda: bool, kernel_provenance: bool = True
+) -> Iterator[Instrumentation]:
+    """kernel_provenance=False: compiled graphs run as the capture stage built them (their kernels
+    stay with the graph module); ranges and replay sequences as the backend has them."""
     instrumentation = Instrumentation()
     with ExitStack() as stack:
         if backend in ("torch-simple", "torch-cudagraph"):
@@ -153,8 +160,8 @@ def instrumented(model: nn.Module, backend: str, on_cuda: bool) -> Iterator[Inst
             prefix = "" if path == "root" else path
             pieces = _piecewise(graph)
             if pieces is not None:
-                _instrument_pieces(pieces, prefix, backend, stack, instrumentation)
-            if backend not in COMPILED:
+                _instrument_pieces(pieces, prefix, backend, stack, instrumentation, kernel_provenance)
+            if backend not in COMPILED or not kernel_provenance:
                 continue
             recorder = provenance.ProvenanceRecorder(graph, prefix)
             instrumentation.recorders.append(recorder)

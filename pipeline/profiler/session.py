@@ -67,15 +67,25 @@ class ProfiledRun:
 
 
 def profile_steps(
-    model: nn.Module, generate, decode_steps: int, trace_dir: Path, on_cuda: bool, backend: str
+    model: nn.Module,
+    generate,
+    decode_steps: int,
+    trace_dir: Path,
+    on_cuda: bool,
+    backend: str,
+    kernel_provenance: bool = True,
 ) -> ProfiledRun:
     """generate(max_new_tokens, after_step) runs the workload: once unprofiled as the timed runs run
     it, then with the backend's graphs instrumented (attribution.py; a compiled variant warms up
-    first, outside any window), once profiled with one window per step."""
+    first, outside any window, unless kernel_provenance is off), once profiled with one window per
+    step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     unprofiled = generate(decode_steps + 1, lambda kind: None)
     collector = WindowCollector(trace_dir, {})
-    with instrumented(model, backend, on_cuda) as instrumentation, warnings.catch_warnings():
+    with (
+        instrumented(model, backend, on_cuda, kernel_provenance) as instrumentation,
+        warnings.catch_warnings(),
+    ):
         if instrumentation.recorders:
             generate(decode_steps + 1, lambda kind: None)  # compiles the profiled variants
         # warmup=0 is deliberate: windows are consecutive steps, and the warm-up ran above.

@@ -19,6 +19,7 @@ from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
+from pipeline.profiler.attribution import COMPILED
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
@@ -75,6 +76,7 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
             trace_dir,
             state.device.type == "cuda",
             backend,
+            cfg.profile.kernel_provenance,
         )
     except session.WindowsMissing as exc:
         raise StageFailure(str(exc)) from exc
@@ -220,7 +222,12 @@ def run(state: RunState) -> StageResult:
         f"{metrics['profile/decode_layer_coverage_pct']:.1f} %)",
         *notes,
     ]
-    if state.captured and state.backend in WAYS:
+    if state.captured and state.backend in COMPILED and not cfg.profile.kernel_provenance:
+        notes.append(
+            "inside the graphs: not attributed (profile.kernel_provenance=false): each compiled "
+            "graph's kernels count under the graph module; true maps them to modules"
+        )
+    elif state.captured and state.backend in WAYS:
         counted = ", ".join(f"{n} {way}" for way, n in profiled.counts.items())
         notes.append(f"inside the graphs: {WAYS[state.backend]}" + (f" ({counted} calls)" if counted else ""))
     if "comparison" in extra:

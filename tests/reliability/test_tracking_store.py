@@ -15,7 +15,12 @@ from pipeline.tools.sync import main as sync
 
 pytestmark = pytest.mark.slow
 
-LIGHT = ["model=tiny_llama3_1_8b", "prompt.output_len=4", "profile.decode_steps=2"]
+LIGHT = [
+    "model=tiny_llama3_1_8b",
+    "prompt.output_len=4",
+    "profile.decode_steps=2",
+    "profile.kernel_provenance=false",
+]
 
 
 def test_an_artifact_store_that_cannot_be_written_keeps_the_run_local_then_sync(tmp_path, tracking_uri):
