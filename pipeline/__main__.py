@@ -129,6 +129,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)
     check_workload(config, hf_config, sources_of(folder, hf_config, skeleton))
+    check_layer_kinds(config, hf_config)
     check_attention_options(config, hf_config, cuda_available)
     check_replays(config, hf_config, cuda_available)
     ranks.check_world(config, hf_config, runs_on_cuda(config, cuda_available), _multirun())
@@ -136,6 +137,28 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     if config.capture.mode == "partial" and not config.capture.submodules and zoo.is_vlm(hf_config):
         meta.check_language_model(skeleton, zoo.text_config_of(hf_config))
     return CheckedConfig(config, hf_config, model_cls, meta.parameter_count(skeleton))
+
+
+# Decoder-layer kinds (a text config's `layer_types`) whose state the runtime's paged KV cache holds.
+# Any other keeps a per-sequence state of its own (LFM2's short convolutions, Mamba and
+# linear-attention layers) that a captured model's steps would not carry from one to the next.
+CACHED_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def check_layer_kinds(config: PipelineConfig, hf_config) -> None:
+    """A captured language model keeps its state in the paged KV cache only: a model with layers of
+    another kind runs eager (capture=none, Hugging Face's own cache) or the run stops here."""
+    from pipeline.models import zoo
+
+    if config.capture.mode == "none":
+        return
+    text = zoo.text_config_of(hf_config)
+    other = sorted(set(getattr(text, "layer_types", None) or []) - CACHED_LAYER_KINDS)
+    if other:
+        raise ConfigError(
+            f"model_type={text.model_type} has {', '.join(other)} layers (layer_types), whose state from one "
+            "step to the next the captured runtime's paged KV cache does not hold; use capture=none"
+        )
 
 
 def check_attention_options(config: PipelineConfig, hf_config, cuda_available: bool) -> None:

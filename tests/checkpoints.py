@@ -166,8 +166,7 @@ FAMILIES = {
         + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
     },
     "paligemma": {  # a prefix-LM with no chat turns: the processor puts bos after the images
-        "specials": {"<image>": 500},
-        "named": {"image_token": "<image>"},
+        "specials": {"<image>": 500},  # at the config's id: the processor adds it only where missing
         "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "<image>") + "{%- endfor %}",
     },
     "deepseek_vl": {  # "User: ...\n\nAssistant:", one placeholder an image, repeated by the processor
@@ -214,6 +213,49 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<|image_pad|>")
         + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
     },
+    "aria": {  # the processor repeats the image token between the fill-in-the-middle markers
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<fim_prefix>": 498,
+            "<fim_suffix>": 499,
+            "<|img|>": 500,
+        },
+        "named": {"image_token": "<|img|>"},
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<fim_prefix><|img|><fim_suffix>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "lfm2_vl": {  # the processor writes each tile's tokens after its grid marker, then a thumbnail
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            **{f"<|img_row_{i}_col_{j}|>": 420 + 10 * i + j for i in range(1, 6) for j in range(1, 6)},
+            "<|image_start|>": 496,
+            "<|image_end|>": 497,
+            "<|img_thumbnail|>": 498,
+            "<image>": 500,
+        },
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<image>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
+    "ovis2": {  # the processor writes the image's atoms between indicator tokens, at the config's ids
+        "specials": {
+            "<|im_start|>": 3,
+            "<|im_end|>": 4,
+            "<image>": 494,
+            "<IMG_START>": 495,
+            "<IMG_GRID>": 496,
+            "<IMG_COL>": 497,
+            "<IMG_ROW>": 498,
+            "<IMG_END>": 499,
+            "<IMG_ATOM>": 500,
+        },
+        "template": "{%- for m in messages %}<|im_start|>{{ m['role'] }} "
+        + _PARTS.replace("IMAGE", "<image>")
+        + "<|im_end|>{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant {%- endif %}",
+    },
     "cohere2_vision": {  # the processor writes each tile's patch tokens and a line break between markers
         "specials": {
             "<|START_OF_TURN_TOKEN|>": 4,
@@ -258,6 +300,10 @@ FAMILY_OF = {
     "qwen3_moe": "qwen2_5_vl",
     "got_ocr2": "got_ocr2",
     "idefics3": "idefics3",
+    "idefics2": "idefics3",
+    "aria": "aria",
+    "ovis2": "ovis2",
+    "lfm2_vl": "lfm2_vl",
     "mllama": "mllama",
     "aya_vision": "aya_vision",
     "internvl": "internvl",
@@ -292,6 +338,14 @@ PROCESSOR_KWARGS = {
     "vipllava": lambda c: _llava(c),
     "got_ocr2": {},
     "idefics3": {"image_seq_len": 1},
+    "lfm2_vl": {},
+    "ovis2": lambda c: {"image_seq_length": (c.vision_config.image_size // c.vision_config.patch_size) ** 2},
+    "aria": lambda c: {
+        "size_conversion": {c.vision_config.image_size: c.max_value_projector_patch_to_query_dict}
+    },
+    "idefics2": lambda c: {
+        "image_seq_len": c.perceiver_config.resampler_n_latents
+    },  # the resampler's latents
     "mllama": {},
     "aya_vision": {"patch_size": 14, "img_size": 28, "downsample_factor": 2},  # 1 token a tile
     # (image / patch)^2 * downsample_ratio^2 tokens a tile, as its docstring says
@@ -429,6 +483,14 @@ def build_image_processor(hf_config):
     if hf_config.model_type == "cohere2_vision":  # one 28-pixel tile a token (patch_size: tokens a side)
         return transformers.Cohere2VisionImageProcessor(
             size={"height": vision.image_size, "width": vision.image_size}, patch_size=1, max_patches=4
+        )
+    if hf_config.model_type == "lfm2_vl":  # 64-pixel tiles of at most 16 tokens, and a thumbnail
+        return transformers.Lfm2VlImageProcessor(
+            encoder_patch_size=vision.patch_size,
+            max_num_patches=vision.num_patches,
+            tile_size=64,
+            min_image_tokens=4,
+            max_image_tokens=16,
         )
     if hf_config.model_type == "paligemma":  # its Processor writes as many tokens as this says
         processor = sized_processor(hf_config)

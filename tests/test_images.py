@@ -166,3 +166,7 @@ def test_image_sizes_are_read_whatever_shape_the_config_gives():
         model_type="qwen2_vl", vision_config=SimpleNamespace(patch_size=14, spatial_merge_size=2)
     )
     assert images.default_image_size(variable) == 56
+    # An edge given as a number (Aria's max_image_size, 980 by default): the vision config's size
+    aria = SimpleNamespace(model_type="aria", vision_config=SimpleNamespace(image_size=490, patch_size=14))
+    processor = images.sized_processor(aria)
+    assert (processor.max_image_size, processor.min_image_size) == (490, 336)

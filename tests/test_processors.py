@@ -52,9 +52,16 @@ PROCESSOR_FAMILIES = [
     "tiny_glm4v_moe",
     "tiny_lighton_ocr",
     "tiny_cohere2_vision",
+    "tiny_idefics2",
+    "tiny_aria",
+    "tiny_ovis2",
+    "tiny_lfm2_vl",
 ]
 # Processors that refuse a text without images (PaliGemma's): their batch is the image requests
 NEEDS_IMAGES = {"tiny_paligemma"}
+# Families whose language model only runs eager: captured, they are refused up front, naming why
+# (LFM2's convolution layers keep a state the paged KV cache does not; captured, its tokens drifted)
+EAGER_ONLY = {"tiny_lfm2_vl": "has conv layers"}
 NEW_TOKENS = 4
 
 
@@ -145,6 +152,10 @@ def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
         f"prompt.output_len={NEW_TOKENS}",
         f"capture={capture}",
     ]
+    if capture != "none" and name in EAGER_ONLY:
+        with pytest.raises(ConfigError, match=EAGER_ONLY[name]):
+            check_config(compose_dict(overrides), cuda_available=False)
+        return
     checked = check_config(compose_dict(overrides), cuda_available=False)
     if name not in hf_tokens:
         hf_tokens[name] = _hugging_face(folder, messages, checked.model_cls)

@@ -279,7 +279,8 @@ def sized_processor(config):
     from the vision config, its budget stays. A tiling one cuts at most the vision config's tiles.
     Any other has every size key its defaults name (height
     and width, a shortest or longest edge, a center crop, a tile size) set from the vision config's
-    image size; the processor's defaults where the config gives no size."""
+    image size (an edge given as a number too); the processor's defaults where the config gives no
+    size."""
     processor_cls = image_processor_class(config.model_type)
     vision = config.vision_config
     defaults = processor_cls()
@@ -295,6 +296,11 @@ def sized_processor(config):
     for name in ("size", "crop_size", "max_image_size"):
         if keys := _keys_of(getattr(defaults, name, None)):
             kwargs[name] = {key: _SIZE_KEYS[key](*hw) for key in keys}
+    # one edge as a number (Aria's: every image resized to it, its smallest no larger)
+    if isinstance(getattr(defaults, "max_image_size", None), int):
+        kwargs["max_image_size"] = max(hw)
+        if isinstance(getattr(defaults, "min_image_size", None), int):
+            kwargs["min_image_size"] = min(defaults.min_image_size, max(hw))
     return processor_cls(**kwargs)
 
 
