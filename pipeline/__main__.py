@@ -281,14 +281,7 @@ def _terminated(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-# Young-generation passes of the cyclic collector: one per 10,000 net allocations (Python's default
-# is 700). Dynamo, Inductor and torch.export make about a million Python objects in a tiny run, and
-# each pass that promotes some of them brings the next full pass over all of them nearer.
-YOUNG_COLLECTION_THRESHOLD = 10_000
-
-
 def main() -> None:
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
     try:
         _main()
     finally:

@@ -28,7 +28,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pipeline import REPO_ROOT
-from pipeline.__main__ import YOUNG_COLLECTION_THRESHOLD
 from pipeline.config import PipelineConfig, register_schemas, typed
 from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
@@ -44,10 +43,13 @@ from pipeline.transforms.registry import TransformContext
 os.environ["PIPELINE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="pipeline-test-kernels-")
 atexit.register(shutil.rmtree, os.environ["PIPELINE_KERNEL_CACHE"], ignore_errors=True)
 
-# The collector as the command sets it for the in-process runs, and the imports' objects (they live
-# as long as the worker) left out of its full passes.
-gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+# The imports' objects (they live as long as the worker) left out of the collector's full passes
 gc.freeze()
+
+# Inductor compiles in its own process (and the runs this suite starts in theirs): with the workers
+# on every core already, a pool of compile workers per process adds its start-up and no throughput.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+torch._inductor.config.compile_threads = 1
 
 CONF_DIR = str(REPO_ROOT / "conf")
 TINY_MODELS = ["tiny_mistral3", "tiny_magistral", "tiny_llama3_1_8b", "tiny_qwen2_5_vl", "tiny_llama4_scout"]

@@ -382,6 +382,7 @@ def test_the_command_line_runs_a_checkpoint_with_chat_and_image_queries(
             "runtime.max_batch_size=2",
             "prompt.output_len=4",
             "profile.decode_steps=2",
+            "profile.kernel_provenance=false",  # the windows it checks, not their attribution
             f"tracking.uri={tracking_uri}",
         ],
         tmp_path,

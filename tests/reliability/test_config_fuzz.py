@@ -151,8 +151,10 @@ def test_configs_that_validate_run_on_a_tiny_model(tmp_path):
             f"prompt.output_len={rng.randint(1, 4)}",
             f"profile.decode_steps={rng.randint(1, 2)}",
             f"seed={rng.randint(0, 1000)}",
-            f"profile.kernel_provenance={rng.choice(['true', 'false'])}",
         ]
         assert _outcome(overrides) is None, overrides
-        proc = run_pipeline([*overrides, "tracking.enabled=false"], tmp_path / str(i))
+        # whether each config runs, not where its compiled kernels sit: no profiled variant
+        proc = run_pipeline(
+            [*overrides, "tracking.enabled=false", "profile.kernel_provenance=false"], tmp_path / str(i)
+        )
         assert proc.returncode == 0, (overrides, proc.stderr[-2000:])
