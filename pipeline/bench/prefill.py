@@ -114,7 +114,9 @@ def markdown(result: dict) -> list[str]:
             "the share of the step its own linears take when nothing else runs."
             if with_pass
             else ""
-        ),
+        )
+        # a block taken over from a part run (`--rows prefill`) says when and where
+        + (f" Measured {result['measured']}." if "measured" in result else ""),
         "",
         "| tokens | prefill ms | achieved TFLOP/s | GEMM TFLOP/s | % of GEMM |"
         + (" linears' pass ms | % of pass |" if with_pass else "")
@@ -206,7 +208,8 @@ def piecewise_markdown(result: dict) -> list[str]:
         f"One request of the workload (with its image for a VLM): the language model uncaptured, compiled "
         f"whole ({result['backend']} without piecewise: its prefill is never replayed), and with "
         "`backend.piecewise=true` (the prompt padded to its token bucket). Median over rounds "
-        "(p10-p90); ratios taken within each round.",
+        "(p10-p90); ratios taken within each round."
+        + (f" Measured {result['measured']}." if "measured" in result else ""),
         "",
         "| tokens | bucket | uncaptured ms | compiled ms | piecewise ms | piecewise / uncaptured | piecewise / compiled | |",
         "|---|---|---|---|---|---|---|---|",
