@@ -519,13 +519,27 @@ def save_checkpoint(
     if processor is not None:
         processor.save_pretrained(folder)
     if config.model_type in PROCESSOR_KWARGS:
-        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-        processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
-        settings = PROCESSOR_KWARGS[config.model_type]
-        processor_cls(
-            image_processor=processor or sized_processor(config),
-            tokenizer=tokenizer,
-            **(settings(config) if callable(settings) else settings),
-        ).save_pretrained(folder)
+        family_processor(config, tokenizer, processor).save_pretrained(folder)
     return folder
+
+
+def family_processor(config, tokenizer=None, image_processor=None):
+    """The family's Processor as a saved folder holds it (its tokenizer, image processor and
+    settings for the tiny config); None for a family without one here."""
+    if config.model_type not in PROCESSOR_KWARGS:
+        return None
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    if tokenizer is None:
+        text = getattr(config, "text_config", None) or config
+        tokenizer = build_tokenizer(config.model_type, text.vocab_size)
+        image_processor = build_image_processor(config)
+    processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+    settings = PROCESSOR_KWARGS[config.model_type]
+    processor = processor_cls(
+        image_processor=image_processor or sized_processor(config),
+        tokenizer=tokenizer,
+        **(settings(config) if callable(settings) else settings),
+    )
+    processor.chat_template = processor.chat_template or tokenizer.chat_template  # a folder's, reloaded
+    return processor
