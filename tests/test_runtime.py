@@ -45,10 +45,9 @@ def _skeleton(hf_config):
     return meta.meta_model(AutoModelForImageTextToText._model_mapping[type(hf_config)], hf_config)
 
 
-# Families whose image requests here are still laid out by the pipeline's rules, not by their
-# Processor: GOT-OCR2's writes 256 tokens an image (a call default), the tiny tower makes 1; with
-# Processor-made 56-pixel chats, Gemma 3's and PaddleOCR-VL's tokens differ from HF's (open: #61)
-PIPELINE_LAYOUT = {"gemma3", "paddleocr_vl", "got_ocr2"}
+# A family whose image requests here are laid out by the pipeline's rules, not by its Processor:
+# GOT-OCR2's writes 256 tokens an image (a call default), the tiny tower makes 1
+PIPELINE_LAYOUT = {"got_ocr2"}
 
 
 def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> list[Request]:
@@ -124,6 +123,8 @@ def hf_inputs(hf_config, request: Request) -> dict:
     (PaliGemma, Gemma 3) the token_type_ids its mask reads, or (Mllama) its cross-attention mask."""
     ids = torch.tensor([request.prompt])
     inputs = {"input_ids": ids, **request.images, **{k: v[None] for k, v in request.token_inputs.items()}}
+    # the processor's mask of one unpadded prompt: generate would mask its tokens that equal the pad id
+    inputs["attention_mask"] = torch.ones_like(ids)
     if request.token_inputs:  # what the family's Processor returned beside the ids, as it returned it
         return inputs
     if "image_grid_thw" in request.images:
