@@ -128,7 +128,7 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> CheckedConfig:
     check_images(config.prompt.images, hf_config)
     model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)
-    check_workload(config, hf_config, sources_of(folder, hf_config, skeleton))
+    check_workload(config, hf_config, sources_of(folder, hf_config, skeleton, config.prompt.image_layout))
     check_layer_kinds(config, hf_config)
     check_attention_options(config, hf_config, cuda_available)
     check_replays(config, hf_config, cuda_available)

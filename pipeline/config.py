@@ -111,6 +111,10 @@ class PromptConfig:
     queries: list[Any] | None = None
     image_size: int | None = None  # synthetic image side in pixels; None: the model family's default
     images: list[str] | None = None  # local image files for VLM requests (cycled); None: synthetic
+    # The generated workload's image requests: family: a chat turn made by the family's chat template
+    # and Processor (a folder's, else built from the config: models/families.py), its tile, row and
+    # begin/end tokens; generic: the image's tokens amid random ids, laid out by models/images.py
+    image_layout: str = "family"
 
 
 @dataclass
@@ -246,6 +250,9 @@ def resolve_attention(name: str, on_cuda: bool) -> str:
     if not on_cuda:
         return "torch"
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+
+
+IMAGE_LAYOUTS = ("family", "generic")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -385,6 +392,7 @@ def check_runtime(rt: RuntimeConfig) -> None:
 def check_prompt(prompt: PromptConfig, rt: RuntimeConfig) -> None:
     for key in ("batch_size", "prompt_len", "output_len"):
         _positive(f"prompt.{key}", getattr(prompt, key))
+    _one_of("prompt.image_layout", prompt.image_layout, IMAGE_LAYOUTS)
     if prompt.image_size is not None:
         _positive("prompt.image_size", prompt.image_size)
         if prompt.image_size > MAX_IMAGE_SIDE:

@@ -201,7 +201,7 @@ def test_generation_compiles_nothing(name, capture, batch):
     over prompts that fill pages and decode steps that open new ones (the page table widens)."""
     overrides = [
         f"model={name}", f"capture={capture}", "backend=torch-compile", f"prompt.batch_size={batch}",
-        "prompt.prompt_len=13", "prompt.output_len=12", "runtime.attn_page_size=8",
+        "prompt.prompt_len=21", "prompt.output_len=12", "runtime.attn_page_size=8",
         "profile.enabled=false", "report.enabled=false", "tracking.enabled=false",
     ]  # fmt: skip
     with staged(overrides, "generate") as state:

@@ -164,6 +164,7 @@ CLI_CASES = {
     "page multiple": (["runtime.max_seq_len=8100"], "runtime.max_seq_len=8100", "attn_page_size"),
     "world size": (["runtime.world_size=4"], "runtime.world_size=4", "num_key_value_heads=2"),
     "stateful layers": (["model=tiny_lfm2_vl", "capture=partial"], "has conv layers", "use capture=none"),
+    "image layout": (["prompt.image_layout=hf"], "prompt.image_layout=hf", "family, generic"),
     "transform order": (
         ["transforms=none", "+transforms.fuse_add_rmsnorm={}", "+transforms.match_rmsnorm={}"],
         "match_rmsnorm must run before fuse_add_rmsnorm",

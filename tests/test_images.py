@@ -170,3 +170,14 @@ def test_image_sizes_are_read_whatever_shape_the_config_gives():
     aria = SimpleNamespace(model_type="aria", vision_config=SimpleNamespace(image_size=490, patch_size=14))
     processor = images.sized_processor(aria)
     assert (processor.max_image_size, processor.min_image_size) == (490, 336)
+    # A second tower sized by its own config (DeepSeek-VL hybrid's SAM: 1024 pixels by default)
+    hybrid = SimpleNamespace(
+        model_type="deepseek_vl_hybrid",
+        vision_config=SimpleNamespace(image_size=32, patch_size=16),
+        high_res_vision_config=SimpleNamespace(image_size=64, patch_size=16),
+    )
+    processor = images.sized_processor(hybrid)
+    assert (processor.size, processor.high_res_size) == (
+        {"height": 32, "width": 32},
+        {"height": 64, "width": 64},
+    )

@@ -12,19 +12,21 @@ import json
 import pytest
 import torch
 from checkpoints import save_checkpoint
-from conftest import build_tiny, compose_dict, staged
+from conftest import build_tiny, compose_cfg, compose_dict, staged
 from PIL import Image
 from test_checkpoints import hydra_value
 
 from pipeline.__main__ import check_config
 from pipeline.errors import ConfigError
-from pipeline.models import zoo
+from pipeline.models import meta, zoo
+from pipeline.models.families import family_processor
+from pipeline.models.images import default_image_size, synthetic_image
 from pipeline.models.processor import processed
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.requests import build_requests
+from pipeline.runtime.requests import build_requests, sources_of
 from pipeline.runtime.sampling import SamplingParams
 
-# Families whose whole Processor a folder carries in tests/checkpoints.py
+# Families whose whole Processor a folder carries (tests/checkpoints.py, models/families.py)
 PROCESSOR_FAMILIES = [
     "tiny_mistral3",
     "tiny_qwen2_5_vl",
@@ -56,6 +58,7 @@ PROCESSOR_FAMILIES = [
     "tiny_aria",
     "tiny_ovis2",
     "tiny_lfm2_vl",
+    "tiny_deepseek_vl_hybrid",
 ]
 # Processors that refuse a text without images (PaliGemma's): their batch is the image requests
 NEEDS_IMAGES = {"tiny_paligemma"}
@@ -196,8 +199,6 @@ def test_a_per_token_output_the_graph_cannot_take_is_refused_naming_it(processor
     checked = check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
     from transformers import AutoProcessor
 
-    from pipeline.models import meta
-
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     skeleton = meta.meta_model(checked.model_cls, checked.hf_config)
     chat = _mixed_batch(pictures)[1]
@@ -242,12 +243,90 @@ def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken
     assert load_processor(str(processor_folders["tiny_qwen2_5_vl"]), tokenizer) is not None
 
 
-def test_synthetic_image_requests_say_whose_layout_they_take(tmp_path):
-    """The default workload of a VLM (random ids and a synthetic image) is laid out by the
-    pipeline's rules, not by a processor: the load stage says so in one line; a text model's does
-    not."""
-    line = "synthetic image requests are laid out by the pipeline's rules"
-    with staged(["model=tiny_llava"], "load", tmp_path / "vlm") as state:
-        assert sum(line in note for note in state.stages[-1].notes) == 1
+def _synthetic(name: str, overrides=()):
+    """(config, hf_config, sources, the first request) of a YAML model's generated workload."""
+    cfg = compose_cfg([f"model={name}", *overrides])
+    hf_config = zoo.build_hf_config(cfg.model)
+    skeleton = meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config)
+    sources = sources_of(None, hf_config, skeleton, cfg.prompt.image_layout)
+    requests = build_requests(
+        cfg.prompt, cfg.runtime, cfg.seed, hf_config, torch.float32, torch.device("cpu"), sources
+    )
+    return cfg, hf_config, sources, requests[0]
+
+
+@pytest.mark.parametrize("name", [*PROCESSOR_FAMILIES, "tiny_got_ocr2"])
+def test_the_default_image_request_is_a_chat_turn_the_familys_processor_makes(name):
+    """A YAML-only VLM's generated workload: its image request is what the family's Processor
+    (Hugging Face's class, with a tokenizer and settings made for the config) makes of a user turn
+    holding the image and random text. Around the text, the ids are the Processor's (the chat turn,
+    begin/end markers, tiles, row markers, image tokens); the pixels and per-token tensors are its
+    own; the prompt is prompt.prompt_len long."""
+    cfg, hf_config, sources, request = _synthetic(name)
+    assert "prompt.image_layout=family" in sources.layout
+    image = synthetic_image(default_image_size(hf_config), torch.Generator().manual_seed(cfg.seed))
+    processor = family_processor(hf_config)
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ""}]}]
+    made = processor(
+        text=[processor.apply_chat_template(turn, add_generation_prompt=True)],
+        images=[image],
+        return_tensors="pt",
+    )
+    frame, prompt = made["input_ids"][0].tolist(), request.prompt
+    cut = next(  # the turn with no text, split where the request's text stands
+        k
+        for k in range(len(frame) + 1)
+        if prompt[:k] == frame[:k] and prompt[len(prompt) - len(frame) + k :] == frame[k:]
+    )
+    assert len(prompt) == cfg.prompt.prompt_len
+    assert all(end <= cut for _, end in request.image_spans)
+    for key, value in request.images.items():
+        assert torch.equal(value, made[key].to(value.dtype)), key
+    for key, value in request.token_inputs.items():
+        assert torch.equal(value[:cut], made[key][0][:cut]), key
+
+
+@pytest.mark.parametrize("name", ["mistral3", "qwen2_5_vl", "llama4_scout"])
+def test_a_full_size_yamls_tokens_sit_at_its_configs_ids(name):
+    """The tokenizer made for a seed-size config puts the image, begin/end and begin-of-text tokens
+    at the config's ids (not those of the tiny configs), so its Processor writes image tokens the
+    model reads as images."""
+    cfg, hf_config, sources, request = _synthetic(name)
+    text = zoo.text_config_of(hf_config)
+    image_id = next(
+        getattr(hf_config, n) for n in ("image_token_id", "image_token_index") if hasattr(hf_config, n)
+    )
+    tokenizer = sources.layout_processor.tokenizer
+    assert tokenizer.convert_tokens_to_ids(tokenizer.bos_token) == text.bos_token_id
+    ((start, end),) = request.image_spans
+    assert request.prompt[start] == image_id == request.prompt[end - 1]
+    assert len(request.prompt) == cfg.prompt.prompt_len and max(request.prompt) < text.vocab_size
+
+
+def test_the_generic_layout_is_taken_by_name_and_said(tmp_path):
+    """prompt.image_layout=generic: the image's tokens amid random ids, laid out by models/images.py
+    (what a workload without the family's Processor gets); the load stage says which layout the
+    synthetic requests take in one line, a text model's says nothing of it."""
+    from pipeline.runtime.requests import Sources
+
+    cfg, hf_config, sources, request = _synthetic("tiny_idefics3", ["prompt.image_layout=generic"])
+    assert sources.layout_processor is None and "prompt.image_layout=generic" in sources.layout
+    skeleton = sources.skeleton
+    plain = build_requests(
+        cfg.prompt,
+        cfg.runtime,
+        cfg.seed,
+        hf_config,
+        torch.float32,
+        torch.device("cpu"),
+        Sources(skeleton=skeleton),
+    )[0]
+    assert request.prompt == plain.prompt and request.prompt != _synthetic("tiny_idefics3")[3].prompt
+    for layout in ("family", "generic"):
+        with staged(
+            ["model=tiny_llava", f"prompt.image_layout={layout}"], "load", tmp_path / layout
+        ) as state:
+            notes = state.stages[-1].notes
+            assert sum(f"prompt.image_layout={layout}" in note for note in notes) == 1
     with staged(["model=tiny_qwen3"], "load", tmp_path / "text") as state:
-        assert not any(line in note for note in state.stages[-1].notes)
+        assert not any("prompt.image_layout" in note for note in state.stages[-1].notes)

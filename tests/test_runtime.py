@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from checkpoints import family_processor
 from conftest import (
     FAMILY_VLMS,
     TINY_FAMILIES,
@@ -25,11 +24,12 @@ from pipeline.attention.kv_cache import CacheFull, CacheSpec, PagedKVCache
 from pipeline.attention.torch_backend import allowed
 from pipeline.graphs import record_of
 from pipeline.models import masks, meta, zoo
+from pipeline.models.families import family_processor
 from pipeline.models.images import IMAGES_FIRST, synthetic_image
 from pipeline.models.processor import processed
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime.engine import DemoLLM
-from pipeline.runtime.requests import Request, Sources, build_requests, image_part, with_mask_spans
+from pipeline.runtime.requests import Request, build_requests, image_part, sources_of, with_mask_spans
 from pipeline.runtime.runners import EagerRunner, PagedRunner
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.scheduler import Chunk
@@ -45,11 +45,6 @@ def _skeleton(hf_config):
     return meta.meta_model(AutoModelForImageTextToText._model_mapping[type(hf_config)], hf_config)
 
 
-# A family whose image requests here are laid out by the pipeline's rules, not by its Processor:
-# GOT-OCR2's writes 256 tokens an image (a call default), the tiny tower makes 1
-PIPELINE_LAYOUT = {"got_ocr2"}
-
-
 def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> list[Request]:
     """Text requests of random ids (`lengths` long); with images, every other one a chat with an
     image, as the family's Processor makes it (its ids, pixels and per-token tensors) where the
@@ -57,9 +52,7 @@ def _requests(hf_config, lengths: list[int], images: bool, seed: int = 1) -> lis
     generator = torch.Generator().manual_seed(seed)
     images = images and zoo.is_vlm(hf_config)
     skeleton = _skeleton(hf_config) if images else None
-    processor = (
-        family_processor(hf_config) if images and hf_config.model_type not in PIPELINE_LAYOUT else None
-    )
+    processor = family_processor(hf_config) if images else None
     requests = []
     for i, n in enumerate(lengths):
         ids = torch.randint(20, 400, (n,), generator=generator).tolist()
@@ -222,7 +215,8 @@ def test_cross_attention_to_images_generates_what_hf_generate_does(capture, devi
 
 def test_cross_attention_image_requests_run_from_the_command_line(tmp_path):
     """`python -m pipeline model=tiny_mllama`: the synthetic workload's requests each carry an
-    image, and the tokens the run writes are Hugging Face generate's on those requests."""
+    image in a chat turn made by the family's Processor, and the tokens the run writes are Hugging
+    Face generate's on those requests."""
     overrides = ["model=tiny_mllama", "prompt.batch_size=2", "prompt.prompt_len=24", "prompt.output_len=5"]
     quiet = [
         "tracking.enabled=false",
@@ -235,7 +229,7 @@ def test_cross_attention_image_requests_run_from_the_command_line(tmp_path):
     written = json.loads((tmp_path / "run" / "generation" / "tokens.json").read_text())
     cfg = compose_cfg(overrides)
     hf_config = zoo.build_hf_config(cfg.model)
-    sources = Sources(skeleton=_skeleton(hf_config))
+    sources = sources_of(None, hf_config, _skeleton(hf_config))  # the family's Processor lays them out
     requests = build_requests(
         cfg.prompt, cfg.runtime, cfg.seed, hf_config, torch.float32, torch.device("cpu"), sources
     )

@@ -86,7 +86,7 @@ def test_partial_capture_through_every_stage(tmp_path, tracking_uri):
             "capture=partial",
             "backend=torch-simple",
             "prompt.batch_size=2",
-            "prompt.prompt_len=12",
+            "prompt.prompt_len=24",
             "prompt.output_len=4",
             "profile.decode_steps=2",
             f"tracking.uri={tracking_uri}",
@@ -114,7 +114,9 @@ def _check_every_stage(name: str, job) -> None:
     captured = [g["path"] for g in summary["graphs"]]
     assert len(captured) == 1 and (zoo.is_vlm(hf_config) == (captured[0] != "root")), name
     tokens = json.loads((run / "generation" / "tokens.json").read_text())
-    assert [len(t["tokens"]) for t in tokens] == [4, 4], name
+    eos = zoo.eos_ids(hf_config)  # a sequence ends early only on an end token
+    assert all(len(t["tokens"]) == 4 or (t["tokens"] and t["tokens"][-1] in eos) for t in tokens), name
+    assert len(tokens) == 2, name
 
     profile = json.loads((run / "profile" / "profile.json").read_text())
     prefix = "model." if captured[0] == "root" else f"{captured[0]}."

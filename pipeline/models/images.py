@@ -279,8 +279,8 @@ def sized_processor(config):
     from the vision config, its budget stays. A tiling one cuts at most the vision config's tiles.
     Any other has every size key its defaults name (height
     and width, a shortest or longest edge, a center crop, a tile size) set from the vision config's
-    image size (an edge given as a number too); the processor's defaults where the config gives no
-    size."""
+    image size (an edge given as a number too), and a second tower's size keys (`high_res_size`)
+    from its own config; the processor's defaults where the config gives no size."""
     processor_cls = image_processor_class(config.model_type)
     vision = config.vision_config
     defaults = processor_cls()
@@ -301,6 +301,13 @@ def sized_processor(config):
         kwargs["max_image_size"] = max(hw)
         if isinstance(getattr(defaults, "min_image_size", None), int):
             kwargs["min_image_size"] = min(defaults.min_image_size, max(hw))
+    # every other tower's size from its own config: `<branch>_vision_config` sizes `<branch>_size`
+    # (DeepSeek-VL hybrid's high-resolution SAM encoder)
+    for name, branch in vars(config).items():
+        key = name.removesuffix("_vision_config") + "_size"
+        if name.endswith("_vision_config") and (keys := _keys_of(getattr(defaults, key, None))):
+            if branch_hw := size_pair(getattr(branch, "image_size", None)):
+                kwargs[key] = {k: _SIZE_KEYS[k](*branch_hw) for k in keys}
     return processor_cls(**kwargs)
 
 

@@ -183,6 +183,6 @@ def check_image_counts(model: torch.nn.Module, processor, hf_config, request) ->
     if wrote != made:
         raise StageFailure(
             f"{type(processor).__name__} wrote {wrote} image tokens for the image(s) of request "
-            f"{request.seq_id}, and the model makes {made} of them; check the folder's processor_config.json "
-            "against its config.json"
+            f"{request.seq_id}, and the model makes {made} of them; check the processor's settings (a folder's "
+            "processor_config.json; models/families.py for one built from the config) against config.json"
         )

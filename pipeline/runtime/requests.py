@@ -20,8 +20,8 @@ from PIL import Image
 
 from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
+from pipeline.models import families, masks, zoo
 from pipeline.models import images as imaging
-from pipeline.models import masks, zoo
 from pipeline.models.inputs import cross_attention_rows, random_ids, special_ids
 from pipeline.models.processor import load_processor, processed
 from pipeline.models.tokenizer import load_tokenizer
@@ -64,15 +64,57 @@ class Sources:
     tokenizer: object | None = None
     image_processor: object | None = None
     skeleton: torch.nn.Module | None = None
-    processor: object | None = None  # the family's processor (models/processor.py), where it builds
+    processor: object | None = None  # the folder's processor (models/processor.py), where it builds
+    # What makes the generated workload's image requests: the folder's Processor, else the family's
+    # built from the config (models/families.py); None: the generic layout. `layout` says which, in
+    # one line, and why where it is the generic one.
+    layout_processor: object | None = None
+    layout: str = ""
 
 
-def sources_of(checkpoint: str | None, hf_config, skeleton: torch.nn.Module) -> Sources:
-    """The sources a checkpoint folder gives (none without one), and the skeleton."""
+def sources_of(
+    checkpoint: str | None, hf_config, skeleton: torch.nn.Module, image_layout: str = "family"
+) -> Sources:
+    """The sources a checkpoint folder gives (none without one), the skeleton, and for a VLM the
+    Processor that lays out its synthetic image requests (prompt.image_layout)."""
     tokenizer = load_tokenizer(checkpoint)
     image_processor = imaging.checkpoint_image_processor(checkpoint)
     processor = load_processor(checkpoint, tokenizer)
-    return Sources(tokenizer, image_processor, skeleton, processor)
+    sources = Sources(tokenizer, image_processor, skeleton, processor)
+    if zoo.is_vlm(hf_config):
+        sources.layout_processor, sources.layout = _synthetic_layout(image_layout, hf_config, sources)
+    return sources
+
+
+def _synthetic_layout(image_layout: str, hf_config, sources: Sources) -> tuple[object | None, str]:
+    """(the Processor that makes synthetic image requests or None, the line that says which)."""
+    generic = (
+        "synthetic image requests take the generic layout (prompt.image_layout=generic, models/images.py)"
+    )
+    if image_layout == "generic":
+        return None, generic
+    if sources.processor is not None:
+        processor, made_by = sources.processor, "the folder's"
+    elif sources.tokenizer is not None:
+        return None, f"{generic}: the folder has a tokenizer and no Processor"
+    elif hf_config.model_type not in families.PROCESSOR_KWARGS:
+        return None, f"{generic}: no {hf_config.model_type} Processor is built here (models/families.py)"
+    else:
+        try:
+            processor = families.family_processor(hf_config, image_processor=sources.image_processor)
+        except Exception as exc:  # a missing package, a setting this config cannot take
+            first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
+            return (
+                None,
+                f"{generic}: the {hf_config.model_type} Processor cannot be built ({type(exc).__name__}: {first[:160]})",
+            )
+        made_by = "the family's, built from the config"
+    if not getattr(processor, "chat_template", None):
+        return None, f"{generic}: {type(processor).__name__} has no chat template"
+    return processor, (
+        f"synthetic image requests: a chat turn made by {type(processor).__name__} ({made_by}) and its "
+        "chat template (prompt.image_layout=family)"
+    )
 
 
 def with_mask_spans(hf_config, request: Request) -> Request:
@@ -99,6 +141,45 @@ def image_part(
     return batch.placeholder(imaging.image_token_id(hf_config), 0), batch.kwargs
 
 
+def _family_request(
+    prompt: PromptConfig, seq_id: int, hf_config, image: Image.Image, generator, dtype, device, sources
+) -> Request:
+    """A synthetic image request as the family makes one: a user turn holding the image and random
+    text, through its chat template and Processor. The text is random ids decoded, as many as fill
+    prompt.prompt_len; where the turn's tokens do not add up (text that merges with the template's,
+    a folder's subword tokenizer), one more pass adds or drops the difference, and the prompt is as
+    long as the Processor then makes it."""
+    processor = sources.layout_processor
+    tokenizer = processor.tokenizer
+
+    def made(text_ids: list[int]):
+        content = [{"type": "image"}, {"type": "text", "text": tokenizer.decode(text_ids)}]
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}],
+            chat_template=processor.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return processed(processor, hf_config, text, [image], sources.skeleton, dtype, device)
+
+    frame = len(made([])[0])  # the turn's markers and the image's tokens
+    text_len = prompt.prompt_len - frame
+    if text_len < 1:
+        raise ConfigError(
+            f"prompt.prompt_len={prompt.prompt_len} leaves no room for text beside the chat turn and image's "
+            f"{frame} tokens; set prompt.prompt_len>={frame + 1} or a smaller prompt.image_size"
+        )
+    vocab = min(len(tokenizer), zoo.text_config_of(hf_config).vocab_size)
+    avoid = special_ids(hf_config) | set(tokenizer.all_special_ids)
+    text = random_ids((text_len,), vocab, avoid, generator).tolist()
+    ids, pixels, per_token, spans = made(text)
+    short = prompt.prompt_len - len(ids)
+    if short and len(text) + short > 0:  # text merged with the template's, or split by a subword tokenizer
+        text = (text + random_ids((max(short, 0),), vocab, avoid, generator).tolist())[: len(text) + short]
+        ids, pixels, per_token, spans = made(text)
+    return with_mask_spans(hf_config, Request(seq_id, ids, pixels, spans, token_inputs=per_token))
+
+
 def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, device, sources) -> Request:
     image_tokens: list[int] = []
     pixels: dict[str, torch.Tensor] = {}
@@ -112,6 +193,8 @@ def _synthetic(prompt: PromptConfig, seq_id: int, hf_config, generator, dtype, d
             image = imaging.synthetic_image(
                 prompt.image_size or imaging.default_image_size(hf_config), generator
             )
+        if sources.layout_processor is not None:
+            return _family_request(prompt, seq_id, hf_config, image, generator, dtype, device, sources)
         image_tokens, pixels = image_part(
             hf_config, image, dtype, device, sources.image_processor, sources.skeleton
         )

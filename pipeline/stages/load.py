@@ -76,12 +76,14 @@ def run(state: RunState) -> StageResult:
             f"runtime.tp_weights=shard: {human_bytes(report.bytes)} of the whole {human_bytes(whole)} allocated; "
             "the linears the shard transform splits get only this rank's slice"
         )
-    state.sources = sources_of(model_cfg.checkpoint, state.hf_config, skeleton)
-    if state.sources.processor is not None and state.cfg.prompt.queries:
-        # the folder's processor against the model it loaded, once, before any graph is made of it
+    prompt = state.cfg.prompt
+    state.sources = sources_of(model_cfg.checkpoint, state.hf_config, skeleton, prompt.image_layout)
+    processor = state.sources.processor if prompt.queries else state.sources.layout_processor
+    if processor is not None:
+        # the processor against the model it loaded, once, before any graph is made of it
         with_images = next((r for r in state.workload() if r.images), None)
         if with_images is not None:
-            check_image_counts(model, state.sources.processor, state.hf_config, with_images)
+            check_image_counts(model, processor, state.hf_config, with_images)
     state.model_info = ModelInfo(
         architecture=type(model).__name__,
         params=report.params,
@@ -110,11 +112,8 @@ def run(state: RunState) -> StageResult:
         notes.append(f"the model counts positions from {info.position_offset}; explicit positions do too")
     if state.example_inputs.note:
         notes.append(state.example_inputs.note)
-    if info.is_vlm and not state.cfg.prompt.queries:
-        notes.append(
-            "synthetic image requests are laid out by the pipeline's rules for the family (models/images.py), "
-            "not by its processor; chat queries (prompt.queries) with a folder's processor are its output"
-        )
+    if info.is_vlm and not prompt.queries:
+        notes.append(state.sources.layout)
     return StageResult(
         metrics={
             "model/params": info.params,
