@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import launchers, ranks, sweep
+from pipeline.backend_specs import spec
 from pipeline.config import (
-    CUDA_ONLY_BACKENDS,
     PipelineConfig,
     register_schemas,
     resolve_attention,
@@ -190,7 +190,7 @@ def check_replays(config: PipelineConfig, hf_config, cuda_available: bool) -> No
     backend = resolve_backend(
         config, runs_on_cuda(config, cuda_available), not zoo.takes_vision_states(hf_config)
     )
-    if backend in CUDA_ONLY_BACKENDS and zoo.takes_vision_states(hf_config):
+    if spec(backend).replays and zoo.takes_vision_states(hf_config):
         raise ConfigError(
             f"backend={backend} replays CUDA graphs of fixed input shapes, and {config.model.name}'s language "
             "model cross-attends vision states whose count changes with each step's images; use "
@@ -222,10 +222,7 @@ def _job(cfg: DictConfig) -> None:
     from pipeline.models import zoo
 
     replays = not zoo.takes_vision_states(checked.hf_config)
-    if (
-        config.backend.piecewise
-        and resolve_backend(config, device.type == "cuda", replays) in CUDA_ONLY_BACKENDS
-    ):
+    if config.backend.piecewise and spec(resolve_backend(config, device.type == "cuda", replays)).replays:
         from pipeline.backends.cudagraph import default_buckets
         from pipeline.models.memory import check_piecewise_fits, free_bytes
 

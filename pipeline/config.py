@@ -22,6 +22,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from pipeline.backend_specs import AS_BUILT, AUTO_CPU, AUTO_CUDA, SPECS, spec
 from pipeline.errors import ConfigError
 
 
@@ -211,8 +212,6 @@ def typed(cfg: DictConfig) -> PipelineConfig:
     return OmegaConf.to_object(cfg)
 
 
-BACKENDS = ("auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt")
-CUDA_ONLY_BACKENDS = ("torch-cudagraph", "torch-opt")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton")
 CUDA_ONLY_ATTENTION = ("flashinfer", "triton")
 CAPTURE_MODES = ("none", "full", "partial")
@@ -236,8 +235,8 @@ def resolve_backend(cfg: PipelineConfig, on_cuda: bool, replays: bool = True) ->
     if cfg.backend.name != "auto":
         return cfg.backend.name
     if cfg.capture.mode == "none":
-        return "torch-simple"
-    return "torch-opt" if on_cuda and replays else "torch-compile"
+        return AS_BUILT
+    return AUTO_CUDA if on_cuda and replays else AUTO_CPU
 
 
 def resolve_attention(name: str, on_cuda: bool) -> str:
@@ -268,7 +267,7 @@ def _positive(key: str, value: int) -> None:
 def check_choices(cfg: PipelineConfig) -> None:
     _one_of("device", cfg.device, DEVICES)
     _one_of("dtype", cfg.dtype, DTYPES)
-    _one_of("backend.name", cfg.backend.name, BACKENDS)
+    _one_of("backend.name", cfg.backend.name, ("auto", *SPECS))
     _one_of("attention.name", cfg.attention.name, ATTENTION_BACKENDS)
     _one_of("capture.mode", cfg.capture.mode, CAPTURE_MODES)
     if cfg.model.attn_implementation is not None:
@@ -282,7 +281,7 @@ def check_machine(cfg: PipelineConfig, cuda_available: bool) -> None:
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA device is available here; use device=auto or device=cpu")
     on_cuda = runs_on_cuda(cfg, cuda_available)
-    if cfg.backend.name in CUDA_ONLY_BACKENDS and not on_cuda:
+    if cfg.backend.name != "auto" and spec(cfg.backend.name).cuda_only and not on_cuda:
         raise ConfigError(
             f"backend={cfg.backend.name} needs a CUDA device, and this run is on CPU; use backend=auto"
         )
@@ -297,7 +296,7 @@ def check_machine(cfg: PipelineConfig, cuda_available: bool) -> None:
 
 
 def check_capture(cfg: PipelineConfig) -> None:
-    if cfg.backend.name in CUDA_ONLY_BACKENDS and cfg.capture.mode == "none":
+    if cfg.backend.name != "auto" and spec(cfg.backend.name).replays and cfg.capture.mode == "none":
         raise ConfigError(
             f"backend={cfg.backend.name} captures graphs, and capture=none has none; use capture=partial or capture=full"
         )
@@ -338,7 +337,7 @@ def check_piecewise(cfg: PipelineConfig) -> None:
             "backend.piecewise=true splits a captured graph, and capture=none has none; "
             "use capture=partial or capture=full"
         )
-    if backend.name == "torch-simple":
+    if backend.name != "auto" and spec(backend.name).runs_as_built:
         raise ConfigError(
             "backend.piecewise=true with backend=torch-simple has nothing to compile or capture; "
             "use backend=torch-compile, torch-cudagraph or torch-opt"

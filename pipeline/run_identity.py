@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pipeline.backend_specs import SPECS
 from pipeline.config import PipelineConfig
 from pipeline.devices import dtype_name
 
@@ -36,14 +37,8 @@ _GLYPH_PX = {
 
 # Full and short forms of what capture and backend put into a name.
 CAPTURE_WORD = {"partial": ("partial", "part"), "full": ("full", "full"), "none": ("eager", "eager")}
-BACKEND_WORD = {
-    "torch-simple": ("simple", "fx"),
-    "torch-compile": ("compile", "tc"),
-    "torch-cudagraph": ("cudagraph", "cg"),
-    "torch-opt": ("opt", "opt"),
-}
-_WORDS = {"capture": CAPTURE_WORD, "capture.mode": CAPTURE_WORD, "backend": BACKEND_WORD,
-          "backend.name": BACKEND_WORD}  # fmt: skip
+_WORDS = {"capture": CAPTURE_WORD, "capture.mode": CAPTURE_WORD}
+BACKEND_KEYS = ("backend", "backend.name")  # their words are the backend's spec's
 
 
 GROUPS = ("model", "capture", "backend", "attention", "runtime", "transforms")  # a value says its key
@@ -57,8 +52,9 @@ def _word(key: str, value: str, level: int) -> str:
     """A piece of a name at shortening level 0 (full words), 1 (capture short), 2 (backend short),
     3 (a plain key by its initials: batch_size=4 -> bs=4)."""
     if forms := _WORDS.get(key):
-        short = level >= (1 if forms is CAPTURE_WORD else 2)
-        return forms.get(value, (value, value))[1 if short else 0]
+        return forms.get(value, (value, value))[1 if level >= 1 else 0]
+    if key in BACKEND_KEYS and value in SPECS:
+        return SPECS[value].short if level >= 2 else SPECS[value].word
     if key.split(".")[0] in GROUPS:
         return value
     leaf = key.rsplit(".", 1)[-1]

@@ -33,6 +33,7 @@ import psutil
 import torch
 
 from pipeline import numerics
+from pipeline.backend_specs import AS_BUILT, spec
 from pipeline.backends.compile import compile_module
 from pipeline.correctness import TOLERANCE
 from pipeline.graphs import eager_graphs, find_graphs
@@ -95,7 +96,7 @@ def step(state: RunState, name: str, cost_s: float) -> Step:
         code.parent.mkdir(parents=True, exist_ok=True)
         code.write_text(f"# {len(gm.graph.nodes)} nodes after step {name}\n{gm.code}")
     if state.reference is not None and state.reference.part_order:
-        compiled = name == state.backend and state.backend in ("torch-compile", "torch-opt")
+        compiled = name == state.backend and spec(state.backend).compiles
         compile_copy = compile_module if compiled else (lambda _module: None)
         errors = numerics.measure(
             state.model, state.reference, state.check_calls, TOLERANCE[state.dtype], compile_copy
@@ -195,7 +196,7 @@ def rounds(state: RunState, first: dict[int, dict] | None = None) -> None:
             if round_ == 0 and index in first:
                 _add(measured, first[index])
                 continue
-            backend = state.backend if measured.name == state.backend else "torch-simple"
+            backend = state.backend if measured.name == state.backend else AS_BUILT
             trace_dir = state.run_dir / "waterfall" / "traces" / measured.name
             with _running(state, index) as model:
                 _add(measured, _profile(state, model, backend, trace_dir))

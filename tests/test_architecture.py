@@ -12,7 +12,7 @@ from conftest import REPO_ROOT
 
 # Lowest first: a module may import from its own package and from any layer before its own.
 LAYERS = [
-    ["errors", "faults", "devices", "library", "parallel"],
+    ["errors", "faults", "devices", "library", "parallel", "backend_specs"],
     ["config"],
     ["kernels"],
     ["ops"],

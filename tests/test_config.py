@@ -9,9 +9,9 @@ import transformers
 from conftest import REPO_ROOT, compose_cfg, mlflow_runs, run_pipeline
 from hydra.errors import ConfigCompositionException
 
+from pipeline.backend_specs import SPECS
 from pipeline.config import (
     CUDA_ONLY_ATTENTION,
-    CUDA_ONLY_BACKENDS,
     resolve_attention,
     resolve_backend,
     validate,
@@ -28,7 +28,7 @@ def _options(group: str) -> list[str]:
 def test_every_option_composes_and_validates(group):
     for option in _options(group):
         cfg = compose_cfg([f"{group}={option}"])
-        needs_cuda = option in CUDA_ONLY_BACKENDS + CUDA_ONLY_ATTENTION
+        needs_cuda = option in CUDA_ONLY_ATTENTION or (option in SPECS and SPECS[option].cuda_only)
         if option == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             continue  # validated only where the package is installed (test below)
         if option == "hf":  # reads its config from a folder: tests/test_checkpoints.py

@@ -12,8 +12,7 @@ from conftest import COMPILED_SEEDS, compose_cfg, generated_tokens, staged, tran
 from test_capture import engine_runtime
 from test_runtime import PAGE, _engine, _hf_generate, _requests
 
-from pipeline import backends
-from pipeline.backends import cudagraph, piecewise
+from pipeline.backends import cudagraph, install, piecewise
 from pipeline.config import BackendConfig
 from pipeline.errors import ConfigError
 from pipeline.graphs import SEGMENT, record_of
@@ -32,7 +31,7 @@ def _piecewise_engine(name: str, backend: str, tokens: list[int]):
     registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, history)
     graph = engine.runner.graph
     config = BackendConfig(backend, cuda_graph_batch_sizes=[2, 4], piecewise=True, piecewise_tokens=tokens)
-    runners = backends.apply(backend, [("lm", graph)], engine_runtime(name), config, on_cuda=False)
+    runners = install.apply(backend, [("lm", graph)], engine_runtime(name), config, on_cuda=False)
     return engine, hf_config, runners["lm (piecewise)"], history
 
 
@@ -185,7 +184,7 @@ def test_piecewise_capture_on_a_gpu(backend):
     ctx = transform_context("cuda", page_size=PAGE, hf_config=hf_config)
     registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, history)
     config = BackendConfig(backend, piecewise=True, piecewise_tokens=[16, 64])
-    runners = backends.apply(
+    runners = install.apply(
         backend, [("lm", engine.runner.graph)], engine_runtime(name), config, on_cuda=True
     )
     runner = runners["lm (piecewise)"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline import REPO_ROOT
+from pipeline.backend_specs import SPECS
 from pipeline.bench import decode, engine_work, pipeline_run, prefill, rounds, setup, tensor_parallel
 from pipeline.bench.load import SPILL_FRACTION, TOUCH_HEADROOM, bench_load
 from pipeline.bench.machine import machine
@@ -49,8 +50,8 @@ def _export_s(state, path: str, repeats: int) -> list[float]:
     return [graph_capture.export_module(module, path, recorded, batch, seq).export_s for _ in range(repeats)]
 
 
-CPU_BACKENDS = ["torch-simple", "torch-compile"]
-GPU_BACKENDS = ["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
+CPU_BACKENDS = [name for name, s in SPECS.items() if not s.cuda_only]
+GPU_BACKENDS = list(SPECS)
 ENGINE_WORK_BACKENDS = ["torch-simple", "torch-cudagraph"]
 CPU_TARGET = "torch-compile at most 0.5x Hugging Face eager per token on the small configuration"
 GPU_TARGET = "torch-cudagraph at least 4x faster than Hugging Face eager at batch 1 on mistral3"

@@ -381,10 +381,10 @@ class _DemollmSampler:
     def sample(
         self, backend: str, lookahead: int, kernels: bool = True, linear: dict | None = None
     ) -> tuple[float, float]:
-        from pipeline import backends
+        from pipeline.backends import install
 
         # Re-applying a compile backend finds Dynamo's cache from the warm-up round: no recompile.
-        backends.apply(backend, self.targets, self.runtime, BackendConfig(backend), on_cuda=self.on_cuda)
+        install.apply(backend, self.targets, self.runtime, BackendConfig(backend), on_cuda=self.on_cuda)
         self.engine.lookahead = lookahead
         try:
             # CUDA graphs are captured in the first generate, with the kernels active then
@@ -396,7 +396,7 @@ class _DemollmSampler:
                 run = self.engine.generate(self.requests, self.steps + 1, SamplingParams(), seed=0)
             return statistics.median(run.decode_step_s), run.prefill_s
         finally:
-            backends.remove(self.targets)
+            install.remove(self.targets)
 
 
 def _cell(value, digits: int = 2, unit: str = "") -> str:

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline.backends import apply, remove
+from pipeline.backends.install import apply, remove
 from pipeline.bench import rounds
 from pipeline.bench.prepare import engine_of, prepared
 from pipeline.config import BackendConfig

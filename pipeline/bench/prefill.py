@@ -147,15 +147,16 @@ def bench_piecewise_prefill(
     prompt length, three ways in each round: the graph uncaptured, the whole graph compiled (its
     prefill is never replayed), and backend.piecewise=true (CPU: torch-compile's segments; GPU:
     torch-opt's, replayed per token bucket). Ratios within rounds."""
-    from pipeline import backends
+    from pipeline.backend_specs import AUTO_CPU, AUTO_CUDA
+    from pipeline.backends import install
     from pipeline.backends.cudagraph import pick_bucket
     from pipeline.graphs import cached_graphs
 
-    backend = "torch-opt" if device.type == "cuda" else "torch-compile"
+    backend = AUTO_CUDA if device.type == "cuda" else AUTO_CPU
     overrides = [f"model={name}", f"backend={backend}", "backend.piecewise=true", "prompt.batch_size=1"]
     with prepared(overrides, dtype, device, "transforms") as state:
         graph_name, graph = cached_graphs(state.model)[0]
-        backends.apply(
+        install.apply(
             backend, [(graph_name, graph)], state.cfg.runtime, state.cfg.backend, device.type == "cuda"
         )
         runner = graph.piecewise_runner

@@ -22,12 +22,10 @@ from functools import partial
 import torch
 from torch import fx, nn
 
+from pipeline.backend_specs import spec
 from pipeline.graphs import find_graphs
 from pipeline.profiler import cudagraphs, events, provenance, ranges
 from pipeline.profiler.ranges import module_ranges
-
-COMPILED = ("torch-compile", "torch-opt")
-REPLAYED = ("torch-cudagraph", "torch-opt")
 
 
 @dataclass
@@ -88,7 +86,7 @@ def _instrument_pieces(
     segments through ranges."""
     for name, segment in runner.pieces.named_children():
         wrapper = runner.segments.get(name)
-        if runner.kinds[name] == "layout" or backend not in COMPILED:
+        if runner.kinds[name] == "layout" or not spec(backend).compiles:
             stack.enter_context(_ranges_in(segment, prefix))
             continue
         if not variants:
@@ -154,14 +152,14 @@ def instrumented(
     stay with the graph module); ranges and replay sequences as the backend has them."""
     instrumentation = Instrumentation()
     with ExitStack() as stack:
-        if backend in ("torch-simple", "torch-cudagraph"):
+        if not spec(backend).compiles:
             instrumentation.ranges = stack.enter_context(module_ranges(model))
         for path, graph in find_graphs(model):
             prefix = "" if path == "root" else path
             pieces = _piecewise(graph)
             if pieces is not None:
                 _instrument_pieces(pieces, prefix, backend, stack, instrumentation, kernel_provenance)
-            if backend not in COMPILED or not kernel_provenance:
+            if not spec(backend).compiles or not kernel_provenance:
                 continue
             recorder = provenance.ProvenanceRecorder(graph, prefix)
             instrumentation.recorders.append(recorder)
@@ -175,6 +173,6 @@ def instrumented(
                 stack.enter_context(_swapped(pieces, "full_fn", variant))
             else:
                 stack.enter_context(_swapped(graph, "forward", variant))
-        if backend in REPLAYED and on_cuda:
+        if spec(backend).replays and on_cuda:
             _record_sequences(model, instrumentation)
         yield instrumentation

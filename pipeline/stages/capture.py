@@ -8,8 +8,9 @@ import time
 
 from torch import nn
 
-from pipeline import backends, correctness, waterfall
-from pipeline.backends import piecewise
+from pipeline import correctness, waterfall
+from pipeline.backend_specs import spec
+from pipeline.backends import install, piecewise
 from pipeline.backends.compile import compiled_frames
 from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
@@ -23,7 +24,7 @@ from pipeline.state import RunState, StageResult
 def run(state: RunState) -> StageResult:
     graphs = find_graphs(state.model)
     result = StageResult(notes=[f"backend {state.backend} (backend={state.cfg.backend.name})"])
-    if state.backend == "torch-simple":
+    if spec(state.backend).runs_as_built:
         result.notes.append(
             "graphs run as exported and transformed" if graphs else "the eager model runs as it is"
         )
@@ -33,7 +34,7 @@ def run(state: RunState) -> StageResult:
     frames = compiled_frames()
     start = time.perf_counter()
     try:
-        runners = backends.apply(
+        runners = install.apply(
             state.backend, targets, state.cfg.runtime, state.cfg.backend, on_cuda=state.device.type == "cuda"
         )
         if not runners:  # torch-compile alone
@@ -54,7 +55,7 @@ def run(state: RunState) -> StageResult:
         cause = short_cause(exc)
         # Whatever the attempt held (compiled code, captured graphs, their memory pools) goes now,
         # so a fallback, or the next job of a sweep, has the memory back.
-        backends.remove(targets)
+        install.remove(targets)
         free_memory()
         if state.cfg.backend.fallback != "eager":
             raise StageFailure(f"backend {state.backend} failed: {cause}") from exc

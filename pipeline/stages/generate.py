@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline.backend_specs import spec
 from pipeline.backends import piecewise
 from pipeline.backends.compile import compiled_frames
 from pipeline.errors import StageFailure
@@ -37,7 +38,7 @@ def run(state: RunState) -> StageResult:
     params = SamplingParams(**vars(cfg.runtime.sampling))
     # A compiling or graph-capturing backend compiles the step shapes it first meets: warm up once so
     # the measured run times steps, not compilation (benchmark mode always warms up).
-    warm_up = cfg.benchmark.enabled or state.backend != "torch-simple"
+    warm_up = cfg.benchmark.enabled or not spec(state.backend).runs_as_built
     if warm_up:
         engine.generate(requests, cfg.prompt.output_len, params, cfg.seed)
     for runner in piecewise.runners(state.model):  # its table is of the timed runs' steps
@@ -56,7 +57,7 @@ def run(state: RunState) -> StageResult:
     notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
     if routed_bytes is not None:
         metrics["model/decode_routed_bytes"] = routed_bytes
-    if state.backend in ("torch-compile", "torch-opt"):
+    if spec(state.backend).compiles:
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
         notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
     reports = [runner.report() for runner in piecewise.runners(state.model)]

@@ -8,12 +8,11 @@ import json
 import re
 
 from pipeline import numerics
+from pipeline.backend_specs import spec
 from pipeline.backends.compile import compile_module, compiled_frames
 from pipeline.correctness import TOLERANCE
 from pipeline.report.plots import numerics_plot
 from pipeline.state import RunState, StageResult
-
-COMPILING = ("torch-compile", "torch-opt")
 
 
 def metric_name(part: str) -> str:
@@ -36,7 +35,7 @@ def run(state: RunState) -> StageResult:
     if reference is None or not reference.part_order:
         return StageResult(notes=["no eager reference to compare parts with (runtime.tp_weights=shard)"])
     tolerance = TOLERANCE[state.dtype]
-    compile_copy = compile_module if state.backend in COMPILING else (lambda _module: None)
+    compile_copy = compile_module if spec(state.backend).compiles else (lambda _module: None)
     rows = numerics.measure(state.model, reference, state.check_calls, tolerance, compile_copy)
     decode, decode_notes = _decode_rows(state, tolerance, compile_copy)
     # The copies compiled here are not generation's: recompiles count from now.
@@ -44,7 +43,7 @@ def run(state: RunState) -> StageResult:
     folder = state.run_dir / "numerics"
     folder.mkdir(parents=True, exist_ok=True)
     table = numerics_table(rows, tolerance, decode)
-    if state.backend in COMPILING and state.captured:
+    if spec(state.backend).compiles and state.captured:
         table += (
             f"\nthe layers inside the graphs are read from a tapped copy of each graph compiled by {state.backend} "
             "apart from the program generation runs (the eager parts from that program itself)"

@@ -14,12 +14,12 @@ import json
 import logging
 
 from pipeline import waterfall
+from pipeline.backend_specs import AS_BUILT, spec
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
-from pipeline.profiler.attribution import COMPILED
 from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
@@ -31,13 +31,6 @@ from pipeline.state import RunState, StageResult
 from pipeline.transforms.registry import model_passes_undone, moved_work, rewritten_modules
 
 log = logging.getLogger(__name__)
-
-WAYS = {
-    "torch-simple": "module ranges in the graphs",
-    "torch-compile": "Inductor's kernels mapped to graph nodes (provenance) in a profiled compiled variant",
-    "torch-cudagraph": "module ranges; CUDA-graph replays matched to each bucket's recorded kernel sequence",
-    "torch-opt": "Inductor provenance; CUDA-graph replays matched to each bucket's recorded kernel sequence",
-}
 
 
 def _context(state: RunState) -> dict:
@@ -134,7 +127,7 @@ def _eager_reference(state: RunState) -> session.ProfiledRun:
     they replaced, model-scope rewrites of the eager parts undone, HF's attention and cache."""
     with model_passes_undone(state.model, state.transform_history), eager_graphs(state.model) as eager:
         engine = DemoLLM(eager, state.hf_config, state.cfg.runtime, state.device, set())
-        return _profiled(state, engine, _trace_dir(state) / "eager", "torch-simple")
+        return _profiled(state, engine, _trace_dir(state) / "eager", AS_BUILT)
 
 
 def part_metrics(phases: dict, side: str) -> dict[str, float]:
@@ -222,14 +215,16 @@ def run(state: RunState) -> StageResult:
         f"{metrics['profile/decode_layer_coverage_pct']:.1f} %)",
         *notes,
     ]
-    if state.captured and state.backend in COMPILED and not cfg.profile.kernel_provenance:
+    if state.captured and spec(state.backend).compiles and not cfg.profile.kernel_provenance:
         notes.append(
             "inside the graphs: not attributed (profile.kernel_provenance=false): each compiled "
             "graph's kernels count under the graph module; true maps them to modules"
         )
-    elif state.captured and state.backend in WAYS:
+    elif state.captured:
         counted = ", ".join(f"{n} {way}" for way, n in profiled.counts.items())
-        notes.append(f"inside the graphs: {WAYS[state.backend]}" + (f" ({counted} calls)" if counted else ""))
+        notes.append(
+            f"inside the graphs: {spec(state.backend).sees}" + (f" ({counted} calls)" if counted else "")
+        )
     if "comparison" in extra:
         speedups = [
             f"{k.split('/')[1]} {v:.2f}x" for k, v in metrics.items() if k.endswith("_speedup_vs_eager")
