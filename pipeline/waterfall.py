@@ -4,8 +4,8 @@ bought and cost, measured on the one model as the stages advance it.
 The steps, cumulative:
 - `eager`: Hugging Face generate on the model as built (the export stage, before it exports);
 - `graph_and_cache`: the graph swapped in with the transforms a graph needs to decode with demollm
-  (cleanup, match_attention, shard where it runs, insert_cached_attention), since a graph without
-  a cache cannot decode: export alone is no step of its own;
+  (those marked `decoding`: cleanup, match_attention, shard where it runs, insert_cached_attention),
+  since a graph without a cache cannot decode: export alone is no step of its own;
 - then each further enabled transform in the registry's order, one step each (the transforms
   stage applies them in that order: `order`);
 - the capture backend (the capture stage, after its warm-up), unless it is torch-simple.
@@ -45,28 +45,25 @@ from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState
 from pipeline.transforms.registry import Snapshot, model_passes_undone, rewritten_modules
 
-# What a graph needs before demollm can decode with it; applied together as one step.
-DECODING = ("cleanup", "match_attention", "shard", "insert_cached_attention")
-
 
 def order(transforms: list) -> list[list]:
     """The transforms as waterfall steps: the ones a decoding graph needs first (one step), then
     each other enabled one, in the given order."""
     enabled = [t for t in transforms if t.config.enabled]
-    first = [t for t in enabled if t.name in DECODING]
-    return [first] + [[t] for t in enabled if t.name not in DECODING]
+    first = [t for t in enabled if t.decoding]
+    return [first] + [[t] for t in enabled if not t.decoding]
 
 
 def check(transforms: list) -> None:
     """The waterfall's order must be one the transforms allow, and its first step must decode:
     a ConfigError naming the fix otherwise."""
     from pipeline.errors import ConfigError
-    from pipeline.transforms.registry import check_order
+    from pipeline.transforms.registry import TRANSFORMS, check_order
 
-    if not any(t.name == "insert_cached_attention" and t.config.enabled for t in transforms):
+    if not any(t.makes_cache and t.config.enabled for t in transforms):
+        cache = next(name for name, cls in TRANSFORMS.items() if cls.makes_cache)
         raise ConfigError(
-            "profile.waterfall=true steps through graphs demollm decodes with: enable "
-            "transforms.insert_cached_attention"
+            f"profile.waterfall=true steps through graphs demollm decodes with: enable transforms.{cache}"
         )
     check_order([t for group in order(transforms) for t in group])
 

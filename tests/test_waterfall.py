@@ -37,7 +37,7 @@ def test_each_step_is_measured_in_rounds_and_the_shares_add_up():
         names = [s.name for s in steps]
         assert names[:2] == ["eager", "graph_and_cache"] and names[-1] == "torch-compile"
         applied = {r.transform for r in state.transform_history.records if r.matches}
-        assert set(names[2:-1]) == applied - set(waterfall.DECODING)
+        assert set(names[2:-1]) == {n for n in applied if not registry.TRANSFORMS[n].decoding}
         assert fall.rounds == 3
         for phase in stepwise.PHASES:
             assert all(len(s.phase_ms[phase]) == 3 and min(s.phase_ms[phase]) > 0 for s in steps)
@@ -117,6 +117,17 @@ def test_a_waterfall_needs_a_graph_that_decodes():
     with pytest.raises(ConfigError, match="enable transforms.insert_cached_attention"):
         waterfall.check(transforms)
     waterfall.check(registry.parse(compose_cfg().transforms))  # the default order holds
+
+
+def test_the_transforms_a_graph_decodes_with_are_the_first_step_by_their_own_mark(monkeypatch):
+    """The first step is every enabled transform marked `decoding`, whatever its name; each other
+    one is a step of its own, in order."""
+    transforms = registry.parse(compose_cfg().transforms)
+    steps = waterfall.order(transforms)
+    assert [t.name for t in steps[0]] == [t.name for t in transforms if t.config.enabled and t.decoding]
+    assert "insert_cached_attention" in [t.name for t in steps[0]] and all(len(s) == 1 for s in steps[1:])
+    monkeypatch.setattr(registry.TRANSFORMS["match_rope"], "decoding", True)
+    assert "match_rope" in [t.name for t in waterfall.order(transforms)[0]]
 
 
 @pytest.mark.cuda

@@ -77,7 +77,7 @@ def _stepwise(state: RunState, transforms, ctx, history: registry.TransformHisto
         registry.run_transforms(state.model, group, ctx, history)
         records = history.records[done:]
         if any(r.matches for r in records):
-            name = "graph_and_cache" if group[0].name in waterfall.DECODING else group[0].name
+            name = "graph_and_cache" if group[0].decoding else group[0].name
             waterfall.step(state, name, sum(r.seconds for r in records))
 
 

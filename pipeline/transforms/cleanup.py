@@ -55,6 +55,7 @@ def _is_noop(node: fx.Node) -> bool:
 @register
 class Cleanup(Transform):
     name = "cleanup"
+    decoding = True
     # the matchers are written against the graph without export's asserts and no-op ops
     before = ("match_attention", "match_rope", "match_rmsnorm", "match_moe")
 

@@ -177,6 +177,7 @@ class FreshCacheInputs:
 @register
 class InsertCachedAttention(Transform):
     name = "insert_cached_attention"
+    decoding = makes_cache = True
     after = ("match_attention",)  # it replaces pipeline::attention
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:

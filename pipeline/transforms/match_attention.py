@@ -125,6 +125,7 @@ def _sdpa_args(node: fx.Node) -> tuple[tuple | None, str]:
 @register
 class MatchAttention(Transform):
     name = "match_attention"
+    decoding = True
 
     def apply_graph(self, gm: fx.GraphModule, ctx: TransformContext) -> int:
         matches = 0

@@ -72,6 +72,11 @@ class Transform:
     # rewrite this one needs done first (after), or would undo or hide for them (before).
     after: ClassVar[tuple[str, ...]] = ()
     before: ClassVar[tuple[str, ...]] = ()
+    # What a graph needs before demollm decodes with it (decoding): profile.waterfall applies every
+    # enabled one together, as its first step; makes_cache: the one that gives the graph its KV
+    # cache, without which the waterfall has no graph to decode with.
+    decoding: ClassVar[bool] = False
+    makes_cache: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         self.config = config

@@ -245,6 +245,7 @@ def tp_plan_of(hf_config) -> dict[str, str]:
 @register
 class Shard(Transform):
     name = "shard"
+    decoding = True
     scopes = ("subgraph", "model")
     Config = ShardConfig
     # heads are explicit in pipeline::attention; the fusions and kernel routes then work on each
