@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     attributed_kernel_pct,
     build_tiny,
     compose_cfg,
@@ -358,6 +359,10 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     for phase, table in (("prefill", "summary"), ("decode", "model")):
         expected = tables.phase_table(graph, phase, table, cfg.profile.table_depth, cfg.profile.table_top_k)
         assert expected in printed
+    # tables.txt has one writer, which holds the comparison with eager and the roofs too
+    assert "decode: captured vs Hugging Face generate (eager)" in printed and "against its roof" in printed
+    writers = [p.name for p in (REPO_ROOT / "pipeline").rglob("*.py") if '"tables.txt"' in p.read_text()]
+    assert writers == ["session.py"], writers
     rows = list(csv.DictReader((graph_run / "profile" / "model_stats.csv").open()))
     by_id = {r["id"]: r for r in rows if r["phase"] == "decode_1"}
     assert all(

@@ -204,10 +204,17 @@ def layer_coverage(phases: dict[str, dict], prefix: str) -> float:
 
 
 def write(
-    folder: Path, context: dict, phases: dict, depth: int | None, top_k: int | None, extra: dict | None = None
+    folder: Path,
+    context: dict,
+    phases: dict,
+    depth: int | None,
+    top_k: int | None,
+    extra: dict | None = None,
+    more_tables: list[str] = (),
 ) -> tuple[list[Path], str]:
     """profile.json (with `extra`: the eager reference and the comparison), the two CSV tables and
-    tables.txt; returns the files and the printed tables."""
+    tables.txt (the phase tables, then `more_tables`: the report's comparison and roofs); returns
+    the files and the printed tables. The one writer of each of these files."""
     profile_json = folder / "profile.json"
     profile_json.write_text(
         json.dumps(
@@ -218,9 +225,14 @@ def write(
     output.write_csv(model_csv, phases, "model_stats")
     output.write_csv(summary_csv, phases, "summary_stats")
     printed = "\n\n".join(
-        tables.phase_table({"phases": phases}, phase, table, depth, top_k)
-        for table in ("summary", "model")
-        for phase in ("prefill", "decode")
+        [
+            *(
+                tables.phase_table({"phases": phases}, phase, table, depth, top_k)
+                for table in ("summary", "model")
+                for phase in ("prefill", "decode")
+            ),
+            *more_tables,
+        ]
     )
     tables_txt = folder / "tables.txt"
     tables_txt.write_text(printed + "\n")

@@ -177,14 +177,12 @@ def run(state: RunState) -> StageResult:
         }
         waterfall.rounds(state, first)
     extra["roofline"] = {"roofs": vars(roofs), "phases": roofline(phases, state.model, roofs)}
+    more_tables = [comparison_table(rows, phase) for phase, rows in extra.get("comparison", {}).items()] + [
+        roofline_table(rows, phase, roofs) for phase, rows in extra["roofline"]["phases"].items()
+    ]
     files, printed = session.write(
-        folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra
+        folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra, more_tables
     )
-    printed += "\n\n" + "\n\n".join(
-        [comparison_table(rows, phase) for phase, rows in extra.get("comparison", {}).items()]
-        + [roofline_table(rows, phase, roofs) for phase, rows in extra["roofline"]["phases"].items()]
-    )
-    (folder / "tables.txt").write_text(printed + "\n")
     log.info(
         "profile tables (depth %s, top %s per node):\n%s",
         cfg.profile.table_depth,
