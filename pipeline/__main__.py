@@ -223,10 +223,10 @@ def _job(cfg: DictConfig) -> None:
 
     replays = not zoo.takes_vision_states(checked.hf_config)
     if config.backend.piecewise and spec(resolve_backend(config, device.type == "cuda", replays)).replays:
-        from pipeline.backends.cudagraph import default_buckets
+        from pipeline.backends.cudagraph import token_buckets
         from pipeline.models.memory import check_piecewise_fits, free_bytes
 
-        buckets = config.backend.piecewise_tokens or default_buckets(config.runtime.max_num_tokens)
+        buckets = token_buckets(config.backend, config.runtime)
         capture_head = config.backend.piecewise_capture_lm_head
         check_piecewise_fits(
             checked.params,

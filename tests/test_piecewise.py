@@ -116,6 +116,17 @@ def test_suggested_buckets_cut_padding_within_the_budget():
     assert piecewise.suggest([100], [64], 64) == ([64], 0)  # nothing fit: nothing to suggest
 
 
+def test_the_installed_runner_buckets_are_the_ones_the_memory_check_reads():
+    """backend.piecewise_tokens when set, else 1, 2, 4, ... runtime.max_num_tokens (the last bucket
+    the budget itself), for the runner install.apply builds as for the memory check."""
+    runtime = compose_cfg(["runtime.max_num_tokens=48"]).runtime
+    assert cudagraph.token_buckets(BackendConfig("torch-compile"), runtime) == [1, 2, 4, 8, 16, 32, 48]
+    chosen = BackendConfig("torch-compile", piecewise=True, piecewise_tokens=[8, 48])
+    assert cudagraph.token_buckets(chosen, runtime) == [8, 48]
+    _, _, runner, _ = _piecewise_engine("tiny_llama3_1_8b", "torch-compile", [8, 32])
+    assert runner.buckets == [8, 32]
+
+
 def _pipeline_overrides(name: str, extra: list[str]) -> list[str]:
     return [
         f"model={name}", "backend=torch-compile", "backend.piecewise=true", "prompt.batch_size=3",

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipeline.attention.kv_cache import pages_for
-from pipeline.config import RuntimeConfig
+from pipeline.config import BackendConfig, RuntimeConfig
 from pipeline.graphs import record_of
 
 
@@ -34,6 +34,12 @@ def default_buckets(largest: int) -> list[int]:
         buckets.append(b)
         b *= 2
     return buckets + [largest]
+
+
+def token_buckets(backend: BackendConfig, runtime: RuntimeConfig) -> list[int]:
+    """The token buckets piecewise capture runs segments at: backend.piecewise_tokens, else 1, 2,
+    4, ... runtime.max_num_tokens (the memory check and the installer read the same list)."""
+    return backend.piecewise_tokens or default_buckets(runtime.max_num_tokens)
 
 
 def pick_bucket(n: int, buckets: list[int]) -> int | None:

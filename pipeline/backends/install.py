@@ -48,7 +48,7 @@ def apply(
             specs = record_of(graph).cache_specs
             runners[f"{name} (piecewise)"] = piecewise.install(
                 graph,
-                config.piecewise_tokens or cudagraph.default_buckets(runtime.max_num_tokens),
+                cudagraph.token_buckets(config, runtime),
                 scratch_page=pages_for(runtime, specs) - 1,
                 page_size=runtime.attn_page_size,
                 capture_head=config.piecewise_capture_lm_head,
