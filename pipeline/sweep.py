@@ -249,7 +249,9 @@ def compare(
     """The comparison sections and plots (written under sweep_dir/report/)."""
     import matplotlib.pyplot as plt
 
-    from pipeline.report.breakdown import align, parts_of
+    from pipeline.profiler import stepwise
+    from pipeline.profiler.results import ProfileResults
+    from pipeline.report.breakdown import align, level_times
     from pipeline.report.plots import breakdown_figure, waterfalls_figure
 
     out = sweep_dir / "report"
@@ -280,16 +282,16 @@ def compare(
     for job in jobs:
         path = Path(job["folder"]) / "profile" / "profile.json"
         if path.exists():
-            profile = json.loads(path.read_text())
-            if "decode" in profile["phases"]:
-                profiles[job["name"]] = parts_of(profile, "decode", "module")
+            phases = ProfileResults.load(path).phases
+            if "decode" in phases:
+                profiles[job["name"]] = level_times(phases, "decode", "module")
     if profiles:
         fig = breakdown_figure(align(profiles, top), "Decode step by module, job by job")
         plots["sweep_module_breakdown"] = out / "module_breakdown.png"
         fig.savefig(plots["sweep_module_breakdown"], dpi=110)
         plt.close(fig)
     waterfalls = {
-        job["name"]: json.loads(path.read_text())
+        job["name"]: stepwise.load(path)
         for job in jobs
         if (path := Path(job["folder"]) / "waterfall" / "waterfall.json").exists()
     }

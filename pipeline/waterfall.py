@@ -20,7 +20,7 @@ model-scope rewrites swapped back, as the profile's eager reference).
 The profile stage then times the steps in interleaved rounds (profile.waterfall_rounds, each round
 visiting every step): each visit profiles the run's workload as the profile stage does (a prefill
 window and profile.decode_steps decode windows), device ms per step of each phase and of each
-top-level part (breakdown.PARTS). The profile stage's own captured and eager profiles are the
+top-level part (parts.PARTS). The profile stage's own captured and eager profiles are the
 first round of the last and first steps, so its captured-vs-eager line is one of the waterfall's
 rounds. stepwise.py says how the rounds become a median, a spread, changes and shares.
 """
@@ -38,8 +38,9 @@ from pipeline.backends.compile import compile_module
 from pipeline.correctness import TOLERANCE
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import session
+from pipeline.profiler.parts import part_of, part_times
+from pipeline.profiler.rows import Phases
 from pipeline.profiler.stepwise import PHASES, Step, Waterfall
-from pipeline.report.breakdown import part_of, part_times
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.state import RunState
@@ -104,7 +105,7 @@ def step(state: RunState, name: str, cost_s: float) -> Step:
     return added
 
 
-def _profile(state: RunState, model, backend: str, trace_dir) -> dict:
+def _profile(state: RunState, model, backend: str, trace_dir) -> Phases:
     """One visit: the run's workload profiled on `model` as it is now; profile_steps' phases."""
     engine = DemoLLM(model, state.hf_config, state.cfg.runtime, state.device, eos_ids=set())
     requests, params = state.workload(), SamplingParams(**vars(state.cfg.runtime.sampling))
@@ -125,11 +126,11 @@ def _profile(state: RunState, model, backend: str, trace_dir) -> dict:
     return session.phases_of(profiled, state.cfg.profile.kernel_categories)
 
 
-def _add(step: Step, phases: dict) -> None:
+def _add(step: Step, phases: Phases) -> None:
     step.add_round(
-        {phase: phases[phase]["device_time_us"] / 1000 for phase in PHASES},
+        {phase: phases[phase].device_time_us / 1000 for phase in PHASES},
         {
-            phase: {p: us / 1000 for p, us in part_times(phases[phase]["summary_stats"]).items()}
+            phase: {p: us / 1000 for p, us in part_times(phases[phase].summary_stats).items()}
             for phase in PHASES
         },
     )
@@ -183,7 +184,7 @@ def untouched_parts(state: RunState) -> list[str]:
     return sorted(seen - touched)
 
 
-def rounds(state: RunState, first: dict[int, dict] | None = None) -> None:
+def rounds(state: RunState, first: dict[int, Phases] | None = None) -> None:
     """profile.waterfall_rounds rounds, each visiting every step in order; `first`: step index ->
     phases the profile stage already measured, taken as that step's first round."""
     waterfall, first = state.waterfall, first or {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +30,9 @@ from pipeline.export import graph_capture
 from pipeline.profiler import events, ranges, tables, tree
 from pipeline.profiler.categories import Categorizer
 from pipeline.profiler.events import DeviceEvent, ModuleSpan, OpEvent, Window
-from pipeline.profiler.output import to_dict
+from pipeline.profiler.results import ProfileResults
+from pipeline.profiler.roofline import Roofs
+from pipeline.profiler.rows import ComparedPart, PhaseStats, ProfileNode, Reference, RoofRow
 
 CATEGORIES = Categorizer(compose_cfg().profile.kernel_categories)
 
@@ -225,13 +228,46 @@ def test_module_ranges_wrap_graph_nodes_and_leave_no_trace():
 
 
 def test_tables_cut_by_depth_and_top_k():
-    summary = to_dict(tree.summary_tree(tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)))
+    summary = ProfileNode.of(tree.summary_tree(tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)))
     full = tables.format_table(summary, "t")
     assert "aten::mm" in full and "(unattributed)" in full
     shallow = tables.format_table(summary, "t", depth=1)
     assert "layers.*" not in shallow and "Model" in shallow
     top = tables.format_table(summary, "t", top_k=1)
     assert "... 1 more" in top
+
+
+def test_a_saved_profile_loads_back_into_the_same_results(tmp_path):
+    """profile.json round-trips: every field of every phase, node, comparison row and roof row, the
+    decode mean's own fields included; what is not a profile.json says so in one line."""
+    root = tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)
+    decode = PhaseStats.of(root, 2.5, "mean of 1 windows")
+    decode.step_ms_median, decode.mean_of = 2.4, ["decode_1"]
+    phases = {
+        "prefill": PhaseStats.of(root, 9.0, "one window"),
+        "decode_1": PhaseStats.of(root, 2.5, "one window"),
+    }
+    phases["decode"] = decode
+    results = ProfileResults(
+        {"model": "tiny", "batch_size": 2},
+        phases,
+        reference=Reference("eager", {"decode": PhaseStats.of(root, 3.0, "one window")}),
+        fused={"model.norm": ["model.layers.0.mlp"]},
+        comparison={
+            "decode": [ComparedPart("mlp", 1.0, 1.5, 1.5), ComparedPart("total", 2.0, 3.0, None, "why")]
+        },
+        roofs=Roofs(read_gbs=10.0, steps={"decode": {"tokens": 1, "rows": 1, "context": 9, "sequences": 1}}),
+        roofline={"decode": [RoofRow("mlp", 1.0, 4.0, 0.0, 5.0, 0.1, "read", 0.4, 40.0)]},
+    )
+    files, printed = results.write(tmp_path, None, None)
+    loaded = ProfileResults.load(tmp_path / "profile.json")
+    assert loaded == results
+    assert "decode summary table (mean of 1 windows)" in printed and "against its roof" in printed
+    assert {f.name for f in files} >= {"profile.json", "tables.txt", "comparison.csv", "model_stats.csv"}
+    assert loaded.phases["decode"].summary_stats.children[0].children, "the tree came back flat"
+    (tmp_path / "bad.json").write_text('{"schema_version": 2, "phases": {"decode": {}}}')
+    with pytest.raises(ValueError, match="bad.json: a profile.json missing or mistyping 'step_ms'"):
+        ProfileResults.load(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize(
@@ -282,6 +318,15 @@ def _modules(node: dict, kind: str = "module") -> set[str]:
     return found
 
 
+def _writes(source: str, name: str) -> bool:
+    """Whether Python source writes a file called `name`: straight from the path, or through a
+    variable holding it."""
+    if re.search(rf'"{re.escape(name)}"\)\.(write_text|open\("w)', source):
+        return True
+    held = re.findall(rf'(\w+) = [^\n]*"{re.escape(name)}"', source)
+    return any(re.search(rf"\b{v}\.(write_text|write_bytes|open\(\"w)", source) for v in held)
+
+
 def _check_sums(node: dict) -> None:
     # profile.json rounds each value to 1e-3 us
     assert sum(c["device_time_us"] for c in node["children"]) <= node["device_time_us"] + 1e-3 * (
@@ -292,7 +337,7 @@ def _check_sums(node: dict) -> None:
 
 
 @pytest.mark.slow
-def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
+def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri, capsys):
     model, hf_config, examples = build_tiny("tiny_llama3_1_8b")
     layers = hf_config.num_hidden_layers
     eager_modules = set(dict(model.named_modules()))
@@ -357,12 +402,21 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     printed = (graph_run / "profile" / "tables.txt").read_text()
     cfg = compose_cfg()
     for phase, table in (("prefill", "summary"), ("decode", "model")):
-        expected = tables.phase_table(graph, phase, table, cfg.profile.table_depth, cfg.profile.table_top_k)
+        expected = tables.phase_table(
+            ProfileResults.from_dict(graph).phases,
+            phase,
+            table,
+            cfg.profile.table_depth,
+            cfg.profile.table_top_k,
+        )
         assert expected in printed
     # tables.txt has one writer, which holds the comparison with eager and the roofs too
     assert "decode: captured vs Hugging Face generate (eager)" in printed and "against its roof" in printed
-    writers = [p.name for p in (REPO_ROOT / "pipeline").rglob("*.py") if '"tables.txt"' in p.read_text()]
-    assert writers == ["session.py"], writers
+    for written in ("tables.txt", "profile.json"):
+        writers = [p.name for p in (REPO_ROOT / "pipeline").rglob("*.py") if _writes(p.read_text(), written)]
+        assert writers == ["results.py"], (written, writers)
+    # the saved profile loads back whole: reference, comparison and roofs included
+    assert json.loads(ProfileResults.load(graph_run / "profile" / "profile.json").to_json()) == graph
     rows = list(csv.DictReader((graph_run / "profile" / "model_stats.csv").open()))
     by_id = {r["id"]: r for r in rows if r["phase"] == "decode_1"}
     assert all(
@@ -380,6 +434,17 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri):
     assert "module::model.layers.1.mlp|LlamaMLP" in eager_names
     assert {p.name for p in (graph_run / "traces").iterdir()} == {"prefill", "decode_1", "decode_2", "eager"}
     assert print_table(["--json-trace", str(graph_run / "profile" / "profile.json"), "--phase", "nope"]) == 2
+    # The trace diff reads both saved profiles; its totals are the two runs' own buckets.
+    from pipeline.tools.compare import main as compare
+
+    assert compare([str(eager_run), str(graph_run), "--top-k", "3"]) == 0
+    diff = capsys.readouterr().out
+    assert (
+        "decode, by module (A = run, B = run)" in diff
+        and "model.layers.*.mlp" in diff
+        and "by category" in diff
+    )
+    assert compare([str(eager_run), str(graph_run), "--phase", "nope"]) == 2
 
 
 @pytest.mark.slow

@@ -8,31 +8,29 @@ import json
 import pytest
 from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
-from pipeline.report.breakdown import (
-    PARTS,
-    _rewritten_by,
-    breakdown,
-    bucket_of,
-    compared_part,
-    comparison,
-    comparison_table,
-    kernel_times,
-    module_buckets,
-    part_of,
-    top_k,
-)
+from pipeline.profiler.comparison import _rewritten_by, compared_part, comparison
+from pipeline.profiler.parts import PARTS, bucket_of, kernel_times, module_buckets, part_of
+from pipeline.profiler.rows import PhaseStats, ProfileNode
+from pipeline.profiler.tables import comparison_table
+from pipeline.report.breakdown import breakdown, top_k
 from pipeline.report.document import Image, Pre, Section, Table, to_html, to_markdown
 
 
 def _node(fqn, kind, us, children=(), name=None, category=""):
-    return {
-        "fqn": fqn,
-        "kind": kind,
-        "name": name or fqn.rsplit(".", 1)[-1],
-        "device_time_us": us,
-        "category": category,
-        "children": list(children),
-    }
+    return ProfileNode(
+        name or fqn.rsplit(".", 1)[-1],
+        kind,
+        fqn=fqn,
+        device_time_us=us,
+        category=category,
+        children=list(children),
+    )
+
+
+def _stats(summary: ProfileNode, device_time_us: float | None = None) -> PhaseStats:
+    """A phase holding only what the analysis reads: its summary tree and its total."""
+    total = summary.device_time_us if device_time_us is None else device_time_us
+    return PhaseStats(0.0, total, "one window", 0.0, 0.0, {}, summary, summary)
 
 
 SUMMARY = _node(
@@ -95,7 +93,7 @@ def test_module_buckets_split_layers_into_their_children():
         "Model (self)": 5.0,
         "(unattributed)": 5.0,
     }
-    assert sum(buckets.values()) == pytest.approx(SUMMARY["device_time_us"])
+    assert sum(buckets.values()) == pytest.approx(SUMMARY.device_time_us)
     assert module_buckets(SUMMARY, depth=1) == {
         "demollm.step_inputs": 5.0,
         "Model": 90.0,
@@ -106,7 +104,7 @@ def test_module_buckets_split_layers_into_their_children():
 
 
 def test_breakdown_uses_the_same_parts_in_every_phase():
-    profile = {"phases": {"prefill": {"summary_stats": SUMMARY}, "decode": {"summary_stats": SUMMARY}}}
+    profile = {"prefill": _stats(SUMMARY), "decode": _stats(SUMMARY)}
     data = breakdown(profile, "module", top=2)
     assert list(data) == ["prefill", "decode"]
     assert list(data["prefill"]) == ["lm.layers.*.self_attn", "lm.layers.*.mlp", "others"]
@@ -230,16 +228,16 @@ def test_a_ratio_is_taken_only_of_two_measurable_times():
     """A part fused away on the captured side (a rounding residue, or nothing) shows both times and
     no ratio; a part both sides ran shows eager / captured."""
     rows = {
-        r["part"]: r
+        r.part: r
         for r in (
             compared_part("norm", 1e-9, 176.0),
             compared_part("plan", 0.0, 0.0),
             compared_part("mlp", 100_000.0, 150_000.0),
         )
     }
-    assert rows["norm"]["speedup"] is None and rows["norm"]["eager_ms"] == 0.176
-    assert rows["plan"]["speedup"] is None
-    assert rows["mlp"]["speedup"] == 1.5
+    assert rows["norm"].speedup is None and rows["norm"].eager_ms == 0.176
+    assert rows["plan"].speedup is None
+    assert rows["mlp"].speedup == 1.5
     table = comparison_table(list(rows.values()), "decode")
     assert "captured vs Hugging Face generate (eager)" in table
     norm_line = next(line for line in table.splitlines() if line.startswith("norm "))
@@ -281,12 +279,12 @@ def test_parts_whose_work_differs_are_shown_as_such():
     assert _rewritten_by("lm_head", rewritten) == "onednn_linear"
     assert _rewritten_by("model.language_model.layers.*.mlp", rewritten) == ""
     fused = compared_part("model.language_model.layers.*.input_layernorm", 0.0, 176.0)
-    assert fused["speedup"] is None and fused["note"].startswith("no time on the captured side")
-    assert compared_part("mlp", 100.0, 150.0)["note"] == ""
+    assert fused.speedup is None and fused.note.startswith("no time on the captured side")
+    assert compared_part("mlp", 100.0, 150.0).note == ""
     assert _rewritten_by("model.vision_tower (self)", rewritten) == ""  # the container's own time
 
 
-def _summary(times: dict[str, float]) -> dict:
+def _summary(times: dict[str, float]) -> ProfileNode:
     """A phase's summary tree of one decoder layer's children (fqn -> device us), the layer's own
     time `layer` (0 unless given), with the graph's own time as `model.language_model` (self)."""
 
@@ -304,13 +302,15 @@ def _summary(times: dict[str, float]) -> dict:
                  [node(k, v) for k, v in times.items() if ".layers." in k])  # fmt: skip
     outside = [node(k, v) for k, v in times.items() if ".layers." not in k and k not in ("graph", "layer")]
     graph = node("model.language_model", layer["device_time_us"] + times.get("graph", 0.0), [layer, *outside])
-    return {
-        "kind": "phase",
-        "name": "decode",
-        "fqn": "",
-        "device_time_us": graph["device_time_us"],
-        "children": [graph],
-    }
+    return ProfileNode.from_dict(
+        {
+            "kind": "phase",
+            "name": "decode",
+            "fqn": "",
+            "device_time_us": graph["device_time_us"],
+            "children": [graph],
+        }
+    )
 
 
 def test_parts_inductor_fused_get_one_ratio_over_the_group():
@@ -323,20 +323,19 @@ def test_parts_inductor_fused_get_one_ratio_over_the_group():
     eager = _summary({f"{lm}.layers.*.self_attn": 200.0, f"{lm}.layers.*.input_layernorm": 100.0,
                       f"{lm}.layers.*.mlp": 300.0, f"{lm}.embed_tokens": 100.0, "graph": 20.0})  # fmt: skip
     fused = {f"{lm}.layers.0.input_layernorm": {f"{lm}.layers.0.self_attn", f"{lm}.layers.1.mlp.up_proj"}}
-    rows = comparison({"decode": {"summary_stats": captured, "device_time_us": 950.0}},
-                      {"decode": {"summary_stats": eager, "device_time_us": 720.0}},
+    rows = comparison({"decode": _stats(captured, 950.0)}, {"decode": _stats(eager, 720.0)},
                       phases=("decode",), fused=fused, graphs=(lm,))["decode"]  # fmt: skip
-    by_part = {r["part"]: r for r in rows}
+    by_part = {r.part: r for r in rows}
     norm = by_part[f"{lm}.layers.*.input_layernorm"]
-    assert norm["speedup"] is None and norm["note"].startswith("fused into layers.*.mlp, layers.*.self_attn")
+    assert norm.speedup is None and norm.note.startswith("fused into layers.*.mlp, layers.*.self_attn")
     attention = by_part[f"{lm}.layers.*.self_attn"]
-    assert attention["speedup"] is None and "holds fused layers.*.input_layernorm" in attention["note"]
+    assert attention.speedup is None and "holds fused layers.*.input_layernorm" in attention.note
     group = by_part["fused: layers.*.mlp + 2 more"]
-    assert (group["captured_ms"], group["eager_ms"]) == (0.5, 0.6)
-    assert group["speedup"] == pytest.approx(1.2)
-    assert by_part[f"{lm}.embed_tokens"]["speedup"] == 2.0
-    assert by_part[f"{lm} (self)"]["speedup"] is None
-    assert rows[-1]["part"] == "total"
+    assert (group.captured_ms, group.eager_ms) == (0.5, 0.6)
+    assert group.speedup == pytest.approx(1.2)
+    assert by_part[f"{lm}.embed_tokens"].speedup == 2.0
+    assert by_part[f"{lm} (self)"].speedup is None
+    assert rows[-1].part == "total"
 
 
 def test_a_module_maps_to_the_bucket_its_time_is_counted_in():
@@ -357,7 +356,7 @@ def test_each_part_is_set_against_the_longer_of_its_read_and_gemm_times():
     roof is a roof error, never a percent above 100; the vision tower gets no rate."""
     from torch import nn
 
-    from pipeline.report.roofline import Roofs, gemm_shapes, roofline, roofline_table
+    from pipeline.profiler.roofline import Roofs, gemm_shapes, roofline, roofline_table
 
     model = nn.Module()
     model.model = nn.Module()
@@ -387,34 +386,31 @@ def test_each_part_is_set_against_the_longer_of_its_read_and_gemm_times():
     assert shapes["1000,1024,1024"][3].data_ptr() == layer.mlp.weight.data_ptr()
     prefill = _summary({mlp: 3000.0, attn: 100.0, norm: 5.0, "model.vision_tower": 50.0})
     decode = _summary({mlp: 100.0, attn: 1.0, norm: 5.0, "model.vision_tower": 50.0})
-    rows = roofline(
-        {"prefill": {"summary_stats": prefill}, "decode": {"summary_stats": decode}}, model, roofs
-    )
-    by = {phase: {r["part"]: r for r in rows[phase]} for phase in rows}
+    rows = roofline({"prefill": _stats(prefill), "decode": _stats(decode)}, model, roofs)
+    by = {phase: {r.part: r for r in rows[phase]} for phase in rows}
     assert norm not in by["decode"]
-    assert by["decode"][mlp]["bound"] == "read"
-    assert by["decode"][mlp]["roof_ms"] == pytest.approx(4 * 2**20 / 100e9 * 1e3)
-    assert by["decode"][mlp]["pct_of_roof"] == pytest.approx(100 * 4 * 2**20 / 100e9 / 100e-6)
-    assert by["prefill"][mlp]["bound"] == "gemm"
-    assert by["prefill"][mlp]["pct_of_roof"] == pytest.approx(100 * 2 * 1000 * 2**20 / 1e12 / 3000e-6)
+    assert by["decode"][mlp].bound == "read"
+    assert by["decode"][mlp].roof_ms == pytest.approx(4 * 2**20 / 100e9 * 1e3)
+    assert by["decode"][mlp].pct_of_roof == pytest.approx(100 * 4 * 2**20 / 100e9 / 100e-6)
+    assert by["prefill"][mlp].bound == "gemm"
+    assert by["prefill"][mlp].pct_of_roof == pytest.approx(100 * 2 * 1000 * 2**20 / 1e12 / 3000e-6)
     kv = by["decode"][attn]
-    assert kv["kv_mib"] == pytest.approx(1001 * 512 / 2**20)
-    assert kv["roof_ms"] == pytest.approx((1024 * 256 * 4 + 1001 * 512) / 100e9 * 1e3)
-    assert kv["roof_error"] and kv["pct_of_roof"] is None  # 1 us is under its 15.6 us roof
-    assert by["prefill"]["model.vision_tower"]["gbs"] is None
+    assert kv.kv_mib == pytest.approx(1001 * 512 / 2**20)
+    assert kv.roof_ms == pytest.approx((1024 * 256 * 4 + 1001 * 512) / 100e9 * 1e3)
+    assert kv.roof_error and kv.pct_of_roof is None  # 1 us is under its 15.6 us roof
+    assert by["prefill"]["model.vision_tower"].gbs is None
     table = roofline_table(rows["decode"], "decode", roofs)
     assert "ROOF ERROR: 0.001 ms < roof 0.016 ms" in table and "weights MiB" in table
-    assert all(r["pct_of_roof"] is None or r["pct_of_roof"] <= 100 for phase in rows for r in rows[phase])
+    assert all(r.pct_of_roof is None or r.pct_of_roof <= 100 for phase in rows for r in rows[phase])
 
 
 def test_no_ratio_over_unlike_work():
     """A whole-model graph's prefill computes the lm_head on every prompt row, eager on the last;
     demollm's spans are each runner's own: neither gets a ratio. In decode (one row each side) the
     lm_head keeps its ratio; a partly captured model's eager lm_head keeps it in prefill too."""
-    from pipeline.report.breakdown import comparison
 
-    def summary(head_us: float, steps_us: float) -> dict:
-        return {
+    def summary(head_us: float, steps_us: float) -> ProfileNode:
+        return ProfileNode.from_dict({
             "kind": "phase",
             "name": "prefill",
             "fqn": "",
@@ -424,23 +420,20 @@ def test_no_ratio_over_unlike_work():
                 {"kind": "module", "name": "step_inputs", "fqn": "demollm.step_inputs",
                  "device_time_us": steps_us, "children": []},
             ],
-        }  # fmt: skip
+        })  # fmt: skip
 
     def phases(head_us, steps_us):
-        return {p: {"summary_stats": summary(head_us, steps_us), "device_time_us": head_us + steps_us}
-                for p in ("prefill", "decode")}  # fmt: skip
+        return {p: _stats(summary(head_us, steps_us)) for p in ("prefill", "decode")}
 
     whole = comparison(phases(500.0, 50.0), phases(10.0, 10.0), graphs=("",))
-    by = {phase: {r["part"]: r for r in rows} for phase, rows in whole.items()}
-    assert (
-        by["prefill"]["lm_head"]["speedup"] is None and "every prompt row" in by["prefill"]["lm_head"]["note"]
-    )
-    assert by["decode"]["lm_head"]["speedup"] == pytest.approx(0.02)
+    by = {phase: {r.part: r for r in rows} for phase, rows in whole.items()}
+    assert by["prefill"]["lm_head"].speedup is None and "every prompt row" in by["prefill"]["lm_head"].note
+    assert by["decode"]["lm_head"].speedup == pytest.approx(0.02)
     for phase in by:
-        assert by[phase]["demollm.step_inputs"]["speedup"] is None
-        assert "each runner's own" in by[phase]["demollm.step_inputs"]["note"]
+        assert by[phase]["demollm.step_inputs"].speedup is None
+        assert "each runner's own" in by[phase]["demollm.step_inputs"].note
     partial = comparison(phases(500.0, 50.0), phases(10.0, 10.0), graphs=("model.language_model",))
-    assert next(r for r in partial["prefill"] if r["part"] == "lm_head")["speedup"] == pytest.approx(0.02)
+    assert next(r for r in partial["prefill"] if r.part == "lm_head").speedup == pytest.approx(0.02)
 
 
 def test_work_a_graph_transform_moved_between_parts_gets_one_ratio_named_by_it():
@@ -453,20 +446,19 @@ def test_work_a_graph_transform_moved_between_parts_gets_one_ratio_named_by_it()
     eager = _summary({norm: 20.0, mlp: 150.0, "layer": 15.0})
     moved = {f"{lm}.layers.0": {f"{lm}.layers.0.post_attention_layernorm": "fuse_add_rmsnorm"}}
     rows = comparison(
-        {"decode": {"summary_stats": captured, "device_time_us": 130.0}},
-        {"decode": {"summary_stats": eager, "device_time_us": 185.0}},
+        {"decode": _stats(captured, 130.0)},
+        {"decode": _stats(eager, 185.0)},
         moved=moved,
     )["decode"]
-    by = {r["part"]: r for r in rows}
-    assert by[norm]["speedup"] is None and "by fuse_add_rmsnorm" in by[norm]["note"]
-    assert by[f"{lm}.layers.* (self)"]["speedup"] is None
+    by = {r.part: r for r in rows}
+    assert by[norm].speedup is None and "by fuse_add_rmsnorm" in by[norm].note
+    assert by[f"{lm}.layers.* (self)"].speedup is None
     assert (
-        "fused into layers.*.post_attention_layernorm by fuse_add_rmsnorm"
-        in by[f"{lm}.layers.* (self)"]["note"]
+        "fused into layers.*.post_attention_layernorm by fuse_add_rmsnorm" in by[f"{lm}.layers.* (self)"].note
     )
-    group = next(r for r in rows if r["part"].startswith("fused:"))
-    assert (group["captured_ms"], group["eager_ms"]) == pytest.approx((0.03, 0.035))
-    assert by[mlp]["speedup"] == pytest.approx(1.5)
+    group = next(r for r in rows if r.part.startswith("fused:"))
+    assert (group.captured_ms, group.eager_ms) == pytest.approx((0.03, 0.035))
+    assert by[mlp].speedup == pytest.approx(1.5)
 
 
 def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_reach():
@@ -476,7 +468,7 @@ def test_a_mixture_of_experts_decode_reads_only_the_experts_its_tokens_reach():
     import torch
     from torch import nn
 
-    from pipeline.report.roofline import Roofs, work
+    from pipeline.profiler.roofline import Roofs, work
 
     model = nn.Module()
     layer = nn.Module()

@@ -188,3 +188,14 @@ def test_a_profile_line_outside_the_rounds_is_said():
     assert not fall.warnings()
     fall.profile_speedup = {"prefill": 3.5}
     assert any("outside the waterfall's eager -> step1" in w for w in fall.warnings())
+
+
+def test_a_saved_waterfall_loads_back_with_the_same_answers(tmp_path):
+    """waterfall.json round-trips through stepwise.load: the steps' rounds, the untouched parts and
+    the profile's ratio, so the table and warnings a sweep's parent reads are the run's own."""
+    fall = _fall([[10, 10, 10], [5, 5, 5]], vision=[[2.0, 2.1, 2.0], [4.0, 4.1, 4.2]])
+    fall.steps[1].drifted, fall.profile_speedup = ["mlp"], {"prefill": 3.5}
+    (tmp_path / "waterfall.json").write_text(json.dumps(fall.as_dict()))
+    loaded = stepwise.load(tmp_path / "waterfall.json")
+    assert loaded.as_dict() == fall.as_dict() and stepwise.table(loaded) == stepwise.table(fall)
+    assert len(loaded.warnings()) == 3  # two untouched-part moves, one profile ratio outside

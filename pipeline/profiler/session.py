@@ -16,15 +16,15 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from pipeline.profiler import events, output, ranges, tables, tree, vllm_layout
+from pipeline.profiler import events, ranges, tree
 from pipeline.profiler.attribution import Instrumentation, instrumented
 from pipeline.profiler.categories import Categorizer
+from pipeline.profiler.rows import Phases, PhaseStats
 from pipeline.runtime.engine import Generation
 
 
@@ -52,7 +52,7 @@ class WindowCollector:
         self.counts[kind] += 1
         n = self.counts[kind]
         phase = "prefill" if kind == "prefill" and n == 1 else f"{kind}_{n}"
-        output.write_trace(prof, self.trace_dir / phase)
+        write_trace(prof, self.trace_dir / phase)
         self.windows.append((phase, events.read_window(prof, self.module_names)))
 
 
@@ -118,7 +118,7 @@ def profile_steps(
     return ProfiledRun(collector.windows, step_s, unprofiled, profiled, instrumentation, counts)
 
 
-def context(device: torch.device, **run: Any) -> dict[str, Any]:
+def context(device: torch.device, **run: str | int | float) -> dict[str, str | int | float]:
     """profile.json's context: what ran (the run's own fields), on what, with which versions."""
     import transformers
 
@@ -132,56 +132,40 @@ def context(device: torch.device, **run: Any) -> dict[str, Any]:
     }
 
 
-def _entry(root: tree.Node, step_ms: float, statistic: str) -> dict[str, Any]:
-    attributed, in_layers = tree.coverage(root)
-    return {
-        "step_ms": step_ms,
-        "device_time_us": root.device_time_us,
-        "statistic": statistic,
-        "coverage_pct": attributed,
-        "layer_coverage_pct": in_layers,
-        "attribution_pct": tree.attribution_pct(root),
-        "summary_stats": output.to_dict(tree.summary_tree(root)),
-        "model_stats": output.to_dict(root),
-    }
-
-
-def phases_of(run: ProfiledRun, categories: dict[str, str]) -> dict[str, dict[str, Any]]:
+def phases_of(run: ProfiledRun, categories: dict[str, str]) -> Phases:
     """profile.json's phases: one per window, and `decode`, the mean of the decode windows (its step
     time the mean of theirs too, so the two numbers describe the same average step)."""
     categorize = Categorizer(categories)
     trees = [tree.model_tree(window, phase, categorize) for phase, window in run.windows]
     phases = {
-        phase: _entry(root, 1000 * step_s, "one window")
+        phase: PhaseStats.of(root, 1000 * step_s, "one window")
         for (phase, _), root, step_s in zip(run.windows, trees, run.step_s, strict=True)
     }
     decode = [i for i, (phase, _) in enumerate(run.windows) if phase.startswith("decode_")]
     if decode:
-        windows = [run.windows[i][0] for i in decode]
-        phases["decode"] = {
-            **_entry(
-                tree.mean_tree([trees[i] for i in decode], "decode"),
-                statistics.mean(1000 * run.step_s[i] for i in decode),
-                f"mean of {len(decode)} windows",
-            ),
-            "step_ms_median": statistics.median(1000 * run.step_s[i] for i in decode),
-            "mean_of": windows,
-        }
+        mean = PhaseStats.of(
+            tree.mean_tree([trees[i] for i in decode], "decode"),
+            statistics.mean(1000 * run.step_s[i] for i in decode),
+            f"mean of {len(decode)} windows",
+        )
+        mean.step_ms_median = statistics.median(1000 * run.step_s[i] for i in decode)
+        mean.mean_of = [run.windows[i][0] for i in decode]
+        phases["decode"] = mean
     return phases
 
 
-def _weighted(phases: dict[str, dict], key: str) -> float:
+def _weighted(phases: Phases, key: str) -> float:
     """A percentage over all step windows together, each weighted by its device time."""
     steps = [e for name, e in phases.items() if name != "decode"]
-    total = sum(e["device_time_us"] for e in steps)
-    return sum(e[key] * e["device_time_us"] for e in steps) / total if total else 0.0
+    total = sum(e.device_time_us for e in steps)
+    return sum(getattr(e, key) * e.device_time_us for e in steps) / total if total else 0.0
 
 
-def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
+def metrics_of(run: ProfiledRun, phases: Phases) -> dict[str, float]:
     profiled, unprofiled = run.profiled, run.unprofiled
     decode = statistics.median(profiled.decode_step_s)
     steps = [e for name, e in phases.items() if name != "decode"]
-    total = sum(e["device_time_us"] for e in steps)
+    total = sum(e.device_time_us for e in steps)
     metrics = {
         "profile/prefill_ms": 1000 * profiled.prefill_s,
         "profile/decode_ms": 1000 * decode,
@@ -192,55 +176,29 @@ def metrics_of(run: ProfiledRun, phases: dict[str, dict]) -> dict[str, float]:
         "profile/windows": len(run.windows),
     }
     for way in tree.ATTRIBUTIONS:  # the share of device time each way attributed, all windows
-        share = sum(e["attribution_pct"][way] * e["device_time_us"] for e in steps) / total if total else 0.0
+        share = sum(e.attribution_pct[way] * e.device_time_us for e in steps) / total if total else 0.0
         metrics[f"profile/attributed_{way}_pct"] = share
     return metrics
 
 
-def layer_coverage(phases: dict[str, dict], prefix: str) -> float:
+def layer_coverage(phases: Phases, prefix: str) -> float:
     """The layer coverage of the phases whose names start with prefix (prefill, decode_)."""
     chosen = {name: e for name, e in phases.items() if name.startswith(prefix) and name != "decode"}
     return _weighted(chosen, "layer_coverage_pct")
 
 
-def write(
-    folder: Path,
-    context: dict,
-    phases: dict,
-    depth: int | None,
-    top_k: int | None,
-    extra: dict | None = None,
-    more_tables: list[str] = (),
-) -> tuple[list[Path], str]:
-    """profile.json (with `extra`: the eager reference and the comparison), the two CSV tables and
-    tables.txt (the phase tables, then `more_tables`: the report's comparison and roofs); returns
-    the files and the printed tables. The one writer of each of these files."""
-    profile_json = folder / "profile.json"
-    profile_json.write_text(
-        json.dumps(
-            {"schema_version": output.SCHEMA_VERSION, "context": context, "phases": phases, **(extra or {})}
-        )
-    )
-    model_csv, summary_csv = folder / "model_stats.csv", folder / "summary_stats.csv"
-    output.write_csv(model_csv, phases, "model_stats")
-    output.write_csv(summary_csv, phases, "summary_stats")
-    printed = "\n\n".join(
-        [
-            *(
-                tables.phase_table({"phases": phases}, phase, table, depth, top_k)
-                for table in ("summary", "model")
-                for phase in ("prefill", "decode")
-            ),
-            *more_tables,
-        ]
-    )
-    tables_txt = folder / "tables.txt"
-    tables_txt.write_text(printed + "\n")
-    vllm_json = folder / "vllm_profile.json"  # the same trees as vLLM's layerwise profiler writes them
-    vllm_json.write_text(json.dumps(vllm_layout.vllm_profile(context, phases)))
-    files = [profile_json, model_csv, summary_csv, tables_txt, vllm_json]
-    if extra and "comparison" in extra:
-        comparison_csv = folder / "comparison.csv"
-        output.write_comparison(comparison_csv, extra["comparison"])
-        files.append(comparison_csv)
-    return files, printed
+def write_trace(prof, folder: Path) -> Path:
+    """The window's Chrome trace as `<folder>/rank<r>.json` with `distributedInfo` (rank, world
+    size): the layout Holistic Trace Analysis reads, a folder of one file per rank (a file without
+    a rank counts as rank 0, so a folder of phases would collide there)."""
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{rank}.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    trace.setdefault("distributedInfo", {"backend": "none", "rank": rank, "world_size": world_size})
+    path.write_text(json.dumps(trace))
+    return path

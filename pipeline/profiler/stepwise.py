@@ -16,8 +16,10 @@ Statistics, per phase:
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.machine_load import quantile
@@ -54,7 +56,7 @@ class Step:
     nodes: int = 0  # nodes of the captured graphs after it (0: eager)
     # phase -> device ms per step, one value per round
     phase_ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
-    # phase -> part (breakdown.PARTS) -> device ms per step, one value per round
+    # phase -> part (parts.PARTS) -> device ms per step, one value per round
     part_ms: dict[str, dict[str, list[float]]] = field(default_factory=lambda: {p: {} for p in PHASES})
 
     def add_round(self, phase_ms: dict[str, float], part_ms: dict[str, dict[str, float]]) -> None:
@@ -159,6 +161,7 @@ class Waterfall:
         return said
 
     def as_dict(self) -> dict[str, Any]:
+        """waterfall.json: the steps' rounds, and what they give (times, changes, shares, warnings)."""
         return {
             "rounds": self.rounds,
             "steps": [asdict(s) for s in self.steps],
@@ -170,9 +173,20 @@ class Waterfall:
             "noisy": {phase: self.noisy(phase) for phase in PHASES},
             "speedup": {phase: asdict(self.speedup(phase)) for phase in PHASES},
             "untouched": self.untouched,
+            "profile_speedup": self.profile_speedup,
             "first_drift": self.first_drift(),
             "warnings": self.warnings(),
         }
+
+
+def load(path: Path) -> Waterfall:
+    """A saved waterfall.json: its steps' rounds; what they give is computed again from them."""
+    saved = json.loads(Path(path).read_text())
+    return Waterfall(
+        steps=[Step(**step) for step in saved["steps"]],
+        untouched=saved.get("untouched", []),
+        profile_speedup=saved.get("profile_speedup", {}),
+    )
 
 
 def table(waterfall: Waterfall) -> str:

@@ -1,19 +1,22 @@
-"""Printed tables of a profile tree (from profile.json's dict form, so the stage and
-`python -m pipeline.tools.print_table` print the same thing): tree indentation, a depth cut and a
-top-k cut per node (the rest folded into one `... N more` row)."""
+"""Printed tables of a profile (ProfileResults, so the stage and `python -m pipeline.tools.print_table`
+print the same thing): a phase's tree with indentation, a depth cut and a top-k cut per node (the
+rest folded into one `... N more` row), and the captured-vs-eager comparison."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.profiler.rows import ComparedPart, Phases, ProfileNode
 
 NAME_WIDTH = 64
 
 
-def _detail(node: dict[str, Any]) -> str:
-    if node["kind"] == "module":
-        return node["cls"]
-    if node["kind"] == "kernel":
-        return " ".join("x".join(map(str, s)) for s in node["shapes"][:3])
+def _detail(node: ProfileNode) -> str:
+    if node.kind == "module":
+        return node.cls
+    if node.kind == "kernel":
+        return " ".join("x".join(map(str, s)) for s in node.shapes[:3])
     return ""
 
 
@@ -21,7 +24,7 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def format_table(tree: dict[str, Any], title: str, depth: int | None = None, top_k: int | None = None) -> str:
+def format_table(tree: ProfileNode, title: str, depth: int | None = None, top_k: int | None = None) -> str:
     header = f"{'name':<{NAME_WIDTH}} {'class / shapes':<28} {'device us':>11} {'%':>6} {'cpu us':>11} {'calls':>6}"
     lines = [title, header, "-" * len(header)]
 
@@ -31,38 +34,54 @@ def format_table(tree: dict[str, Any], title: str, depth: int | None = None, top
             f"{label:<{NAME_WIDTH}} {_cut(detail, 28):<28} {device:>11.1f} {pct:>6.1f} {cpu:>11.1f} {calls:>6}"
         )
 
-    def visit(node: dict[str, Any], level: int) -> None:
-        row(node["name"], level, _detail(node), node["device_time_us"], node["pct"], node["cpu_time_us"],
-            str(node["invocations"]))  # fmt: skip
+    def visit(node: ProfileNode, level: int) -> None:
+        row(node.name, level, _detail(node), node.device_time_us, node.pct, node.cpu_time_us,
+            str(node.invocations))  # fmt: skip
         if depth is not None and level >= depth:
             return
-        children = node["children"]
+        children = node.children
         shown = children
         if top_k is not None and len(children) > top_k:
-            keep = sorted(range(len(children)), key=lambda i: -children[i]["device_time_us"])[:top_k]
+            keep = sorted(range(len(children)), key=lambda i: -children[i].device_time_us)[:top_k]
             shown = [children[i] for i in sorted(keep)]
         for child in shown:
             visit(child, level + 1)
         rest = [c for c in children if c not in shown]
         if rest:
-            row(f"... {len(rest)} more", level + 1, "", sum(c["device_time_us"] for c in rest),
-                sum(c["pct"] for c in rest), sum(c["cpu_time_us"] for c in rest), "")  # fmt: skip
+            row(f"... {len(rest)} more", level + 1, "", sum(c.device_time_us for c in rest),
+                sum(c.pct for c in rest), sum(c.cpu_time_us for c in rest), "")  # fmt: skip
 
     visit(tree, 0)
     return "\n".join(lines)
 
 
-def phase_table(profile: dict[str, Any], phase: str, table: str, depth: int | None, top_k: int | None) -> str:
-    """The `summary` or `model` table of one phase of a loaded profile.json."""
-    phases = profile["phases"]
+def phase_table(phases: Phases, phase: str, table: str, depth: int | None, top_k: int | None) -> str:
+    """The `summary` or `model` table of one phase."""
     if phase not in phases:
         raise KeyError(f"no phase {phase!r} in this profile; it has {', '.join(phases)}")
     if table not in ("summary", "model"):
         raise KeyError(f"no table {table!r}: use summary or model")
     entry = phases[phase]
-    statistic = f" ({entry['statistic']})" if entry.get("statistic") else ""
+    statistic = f" ({entry.statistic})" if entry.statistic else ""
     title = (
-        f"{phase} {table} table{statistic}: step {entry['step_ms']:.2f} ms, device time "
-        f"{entry['device_time_us']:.0f} us, coverage {entry['coverage_pct']:.1f} %"
+        f"{phase} {table} table{statistic}: step {entry.step_ms:.2f} ms, device time "
+        f"{entry.device_time_us:.0f} us, coverage {entry.coverage_pct:.1f} %"
     )
-    return format_table(entry[f"{table}_stats"], title, depth, top_k)
+    return format_table(getattr(entry, f"{table}_stats"), title, depth, top_k)
+
+
+def comparison_table(rows: list[ComparedPart], phase: str, top: int = 12) -> str:
+    header = f"{'part':<60} {'captured ms':>12} {'eager ms':>10} {'eager/captured':>15}  note"
+    lines = [
+        f"{phase}: captured vs Hugging Face generate (eager), device ms per step",
+        header,
+        "-" * len(header),
+    ]
+    shown = [r for r in rows if r.part != "total"][:top] + [r for r in rows if r.part == "total"]
+    for r in shown:
+        speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+        name = r.part if len(r.part) <= 60 else "..." + r.part[-57:]
+        lines.append(
+            f"{name:<60} {r.captured_ms:>12.3f} {r.eager_ms:>10.3f} {speedup:>15}  {r.note}".rstrip()
+        )
+    return "\n".join(lines)

@@ -16,36 +16,38 @@ are written, not our `decode` mean; vLLM's visualizer expects one prefill step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.profiler.rows import Phases, ProfileNode
 
 SUMMARY_FIELDS = ("name", "cuda_time_us", "pct_cuda_time", "invocations")
 MODEL_FIELDS = ("name", "cpu_time_us", "cuda_time_us", "pct_cuda_time", "trace")
 
 
-def _entry(node: dict[str, Any], model: bool) -> dict[str, Any]:
-    name = node["name"] if node["kind"] != "module" else f"{node['fqn'] or node['name']} ({node['cls']})"
+def _entry(node: ProfileNode, model: bool) -> dict[str, Any]:
+    name = node.name if node.kind != "module" else f"{node.fqn or node.name} ({node.cls})"
     if model:
-        trace = node["trace"]
         return {
             "name": name,
-            "cpu_time_us": node["cpu_time_us"],
-            "cuda_time_us": node["device_time_us"],
-            "pct_cuda_time": node["pct"],
-            "trace": " > ".join(trace) if isinstance(trace, list) else str(trace or ""),
+            "cpu_time_us": node.cpu_time_us,
+            "cuda_time_us": node.device_time_us,
+            "pct_cuda_time": node.pct,
+            "trace": node.trace,
         }
     return {
         "name": name,
-        "cuda_time_us": node["device_time_us"],
-        "pct_cuda_time": node["pct"],
-        "invocations": node["invocations"],
+        "cuda_time_us": node.device_time_us,
+        "pct_cuda_time": node.pct,
+        "invocations": node.invocations,
     }
 
 
-def _tree(node: dict[str, Any], model: bool) -> dict[str, Any]:
-    return {"entry": _entry(node, model), "children": [_tree(c, model) for c in node["children"]]}
+def _tree(node: ProfileNode, model: bool) -> dict[str, Any]:
+    return {"entry": _entry(node, model), "children": [_tree(c, model) for c in node.children]}
 
 
-def vllm_profile(context: dict[str, Any], phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def vllm_profile(context: dict[str, Any], phases: Phases) -> dict[str, Any]:
     """Our phases (profile.json's) in vLLM's layout: the roots are the phase node's children."""
     out: dict[str, Any] = {
         "context": {
@@ -62,7 +64,7 @@ def vllm_profile(context: dict[str, Any], phases: dict[str, dict[str, Any]]) -> 
             continue
         out[name] = {
             "metadata": {"num_running_seqs": context.get("batch_size")},
-            "summary_stats": [_tree(c, False) for c in phase["summary_stats"]["children"]],
-            "model_stats": [_tree(c, True) for c in phase["model_stats"]["children"]],
+            "summary_stats": [_tree(c, False) for c in phase.summary_stats.children],
+            "model_stats": [_tree(c, True) for c in phase.model_stats.children],
         }
     return out

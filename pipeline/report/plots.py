@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
+from pipeline.profiler.results import ProfileResults
+from pipeline.profiler.stepwise import Waterfall
 from pipeline.report.breakdown import breakdown
 
 LEVELS = {
@@ -55,7 +56,7 @@ def breakdown_figure(data: dict[str, dict[str, float]], title: str):
 
 
 def render(
-    profile: dict[str, Any],
+    profile: ProfileResults,
     out_dir: Path,
     formats: tuple[str, ...] = ("png",),
     top_k: int = 8,
@@ -66,10 +67,10 @@ def render(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written, notes = {}, []
-    context = profile.get("context", {})
+    context = profile.context
     subtitle = f"{context.get('model', '')} {context.get('capture', '')} {context.get('backend', '')}".strip()
     for key, (level, title) in LEVELS.items():
-        data = breakdown(profile, level, top_k, depth)
+        data = breakdown(profile.phases, level, top_k, depth)
         empty = [phase for phase, parts in data.items() if sum(parts.values()) <= 0]
         for phase in empty:
             notes.append(f"{key}: phase {phase} has no device time; left out")
@@ -150,7 +151,7 @@ def waterfall_plot(step_parts: dict[str, dict[str, dict[str, float]]], path: Pat
     return path
 
 
-def waterfalls_figure(waterfalls: dict[str, dict[str, Any]]):
+def waterfalls_figure(waterfalls: dict[str, Waterfall]):
     """Several jobs' waterfalls side by side (a sweep's parent): per phase, each job's median device
     ms per step after each step with its p10-p90 as error bars, relative to its own eager step
     (1.0), so models of any size share an axis; a step a job did not take is left out of its line."""
@@ -163,18 +164,18 @@ def waterfalls_figure(waterfalls: dict[str, dict[str, Any]]):
     sns.set_theme(style="whitegrid", context="notebook")
     order: list[str] = []
     for data in waterfalls.values():
-        order += [s["name"] for s in data["steps"] if s["name"] not in order]
+        order += [s.name for s in data.steps if s.name not in order]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
     for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
         for job, data in waterfalls.items():
-            steps, times = data["steps"], data["time"][phase]  # times: median, p10, p90 per step
-            eager = times[0]["median"]
+            times = [s.time(phase) for s in data.steps]
+            eager = times[0].median
             ax.errorbar(
-                [order.index(s["name"]) for s in steps],
-                [t["median"] / eager for t in times],
+                [order.index(s.name) for s in data.steps],
+                [t.median / eager for t in times],
                 yerr=[
-                    [(t["median"] - t["p10"]) / eager for t in times],
-                    [(t["p90"] - t["median"]) / eager for t in times],
+                    [(t.median - t.p10) / eager for t in times],
+                    [(t.p90 - t.median) / eager for t in times],
                 ],
                 marker="o",
                 capsize=3,

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.models.memory import human_count
+from pipeline.profiler.results import ProfileResults
+from pipeline.profiler.roofline import roofline_table
 from pipeline.profiler.tables import phase_table
 from pipeline.report.document import Image, Pre, Section, Table, write
 from pipeline.report.ranks import rank_metrics, rank_profiles, rank_table
-from pipeline.report.roofline import Roofs, roofline_table
 from pipeline.state import RunState
 
 HEADLINE = (
@@ -253,26 +254,20 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
     if not path.exists():
         section.blocks.append("No profile (the profile stage did not run or was disabled).")
         return section
-    profile = json.loads(path.read_text())
+    profile = ProfileResults.load(path)
     for phase in ("prefill", "decode"):
-        if phase in profile["phases"]:
-            section.blocks.append(Pre(phase_table(profile, phase, "summary", depth=3, top_k=6)))
+        if phase in profile.phases:
+            section.blocks.append(Pre(phase_table(profile.phases, phase, "summary", depth=3, top_k=6)))
     record = next((r for r in state.stages if r.name == "profile"), None)
     section.blocks += record.notes if record else []
-    for phase, rows in profile.get("comparison", {}).items():
+    for phase, rows in profile.comparison.items():
         section.blocks.append(
             Table(
                 [f"{phase}: part", "captured ms", "HF generate ms", "HF / captured", "note"],
                 [
-                    [
-                        r["part"],
-                        r["captured_ms"],
-                        r["eager_ms"],
-                        f"{r['speedup']:.2f}x" if r["speedup"] else "-",
-                        r.get("note", ""),
-                    ]
+                    [r.part, r.captured_ms, r.eager_ms, f"{r.speedup:.2f}x" if r.speedup else "-", r.note]
                     for r in rows
-                    if r["part"] == "total" or r["captured_ms"] + r["eager_ms"] > 0.01 * rows[-1]["eager_ms"]
+                    if r.part == "total" or r.captured_ms + r.eager_ms > 0.01 * rows[-1].eager_ms
                 ],
             )
         )
@@ -282,9 +277,8 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
         section.blocks.append(
             Image(folder / "waterfall.png", "Device time per step after each step, by part")
         )
-    roofline = profile.get("roofline", {})
-    for phase, rows in roofline.get("phases", {}).items():
-        section.blocks.append(Pre(roofline_table(rows, phase, Roofs(**roofline["roofs"]))))
+    for phase, rows in profile.roofline.items():
+        section.blocks.append(Pre(roofline_table(rows, phase, profile.roofs)))
     section.blocks += plot_notes
     section.blocks += [Image(png, PLOT_CAPTIONS.get(key, key)) for key, png in plots.items()]
     return section

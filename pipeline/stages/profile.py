@@ -20,10 +20,14 @@ from pipeline.errors import StageFailure
 from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
-from pipeline.report.breakdown import category_pct, comparison, comparison_table, long_table, part_times
+from pipeline.profiler.comparison import comparison
+from pipeline.profiler.parts import category_pct, part_times
+from pipeline.profiler.results import ProfileResults
+from pipeline.profiler.roofline import Roofs, StepShape, gemm_shapes, roofline
+from pipeline.profiler.rows import Phases, Reference
+from pipeline.report.breakdown import long_table
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
-from pipeline.report.roofline import Roofs, StepShape, gemm_shapes, roofline, roofline_table
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.machine_load import gemm_tflops, read_limit_gbs
 from pipeline.runtime.sampling import SamplingParams
@@ -130,14 +134,14 @@ def _eager_reference(state: RunState) -> session.ProfiledRun:
         return _profiled(state, engine, _trace_dir(state) / "eager", AS_BUILT)
 
 
-def part_metrics(phases: dict, side: str) -> dict[str, float]:
-    """layers/<phase><side>/<part>_ms: device ms per step of each top-level part (breakdown.PARTS)
+def part_metrics(phases: Phases, side: str) -> dict[str, float]:
+    """layers/<phase><side>/<part>_ms: device ms per step of each top-level part (parts.PARTS)
     in prefill and decode (the decode windows' mean), a bounded set that charts across runs."""
     return {
         f"layers/{phase}{side}/{part}_ms": us / 1000
         for phase in ("prefill", "decode")
         if phase in phases
-        for part, us in part_times(phases[phase]["summary_stats"]).items()
+        for part, us in part_times(phases[phase].summary_stats).items()
     }
 
 
@@ -151,59 +155,74 @@ def run(state: RunState) -> StageResult:
     folder.mkdir(parents=True, exist_ok=True)
     roofs = _roofs(state)
     profiled = _profiled(state, state.engine, trace_dir, state.backend)
-    categories = cfg.profile.kernel_categories
-    phases = session.phases_of(profiled, categories)
-    extra, notes = {}, []
+    results = ProfileResults(_context(state), session.phases_of(profiled, cfg.profile.kernel_categories))
     if cfg.profile.reference == "eager" and state.captured:
-        eager_phases = session.phases_of(_eager_reference(state), categories)
-        extra = {"reference": {"what": REFERENCE, "phases": eager_phases}}
-        rewritten = rewritten_modules(state.model, state.transform_history)
-        fused = provenance.fused_modules(profiled.instrumentation.graphs)
-        extra["fused"] = {source: sorted(targets) for source, targets in fused.items()}
-        paths = tuple(path for path, _ in find_graphs(state.model))
-        moved = moved_work(state.transform_history)
-        extra["comparison"] = comparison(
-            phases, eager_phases, rewritten=rewritten, fused=fused, graphs=paths, moved=moved
-        )
-    elif cfg.profile.reference == "eager":
-        notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
+        _compare_with_eager(state, results, profiled)
     if state.waterfall is not None:  # the profile's own measurements are the first round's ends
         last = len(state.waterfall.steps) - 1
-        first = {0: extra["reference"]["phases"], last: phases} if "reference" in extra else {}
-        state.waterfall.profile_speedup = {
-            phase: rows[-1]["speedup"]
-            for phase, rows in extra.get("comparison", {}).items()
-            if rows[-1]["speedup"] is not None
-        }
+        first = {0: results.reference.phases, last: results.phases} if results.reference else {}
+        state.waterfall.profile_speedup = results.speedups()
         waterfall.rounds(state, first)
-    extra["roofline"] = {"roofs": vars(roofs), "phases": roofline(phases, state.model, roofs)}
-    more_tables = [comparison_table(rows, phase) for phase, rows in extra.get("comparison", {}).items()] + [
-        roofline_table(rows, phase, roofs) for phase, rows in extra["roofline"]["phases"].items()
-    ]
-    files, printed = session.write(
-        folder, _context(state), phases, cfg.profile.table_depth, cfg.profile.table_top_k, extra, more_tables
-    )
+    results.roofs, results.roofline = roofs, roofline(results.phases, state.model, roofs)
+    files, printed = results.write(folder, cfg.profile.table_depth, cfg.profile.table_top_k)
     log.info(
         "profile tables (depth %s, top %s per node):\n%s",
         cfg.profile.table_depth,
         cfg.profile.table_top_k,
         printed,
     )
+    metrics = _metrics(state, profiled, results)
+    tables = {
+        "tables/module_breakdown.json": long_table(results.phases, "module"),
+        "tables/kernel_categories.json": long_table(results.phases, "category"),
+    }
+    result = StageResult(
+        metrics=metrics,
+        artifacts=[*files, trace_dir],
+        notes=_notes(state, profiled, results, metrics),
+        tables=tables,
+    )
+    if state.waterfall is not None:
+        _write_waterfall(state, result)
+    return result
+
+
+def _compare_with_eager(state: RunState, results: ProfileResults, profiled: session.ProfiledRun) -> None:
+    """The eager reference on the same workload, and the captured run against it part by part."""
+    eager = session.phases_of(_eager_reference(state), state.cfg.profile.kernel_categories)
+    fused = provenance.fused_modules(profiled.instrumentation.graphs)
+    results.reference = Reference(REFERENCE, eager)
+    results.fused = {source: sorted(targets) for source, targets in fused.items()}
+    results.comparison = comparison(
+        results.phases,
+        eager,
+        rewritten=rewritten_modules(state.model, state.transform_history),
+        fused=fused,
+        graphs=tuple(path for path, _ in find_graphs(state.model)),
+        moved=moved_work(state.transform_history),
+    )
+
+
+def _metrics(state: RunState, profiled: session.ProfiledRun, results: ProfileResults) -> dict[str, float]:
+    """profile/* (timings, coverage, attribution, speedups), comm share, layers/<phase>/<part>_ms."""
+    phases = results.phases
     metrics = session.metrics_of(profiled, phases)
     metrics["profile/prefill_layer_coverage_pct"] = session.layer_coverage(phases, "prefill")
     metrics["profile/decode_layer_coverage_pct"] = session.layer_coverage(phases, "decode_")
     if state.rank is not None:  # the all-reduces of the sharded graph
         metrics["profile/comm_pct"] = category_pct(phases, COMMUNICATION)
-        notes.append(
-            f"communication: {metrics['profile/comm_pct']:.1f} % of the steps' time (rank {state.rank.rank})"
-        )
     metrics.update(part_metrics(phases, ""))
-    if "reference" in extra:
-        metrics.update(part_metrics(extra["reference"]["phases"], "_eager"))
-    for phase, rows in extra.get("comparison", {}).items():
-        total = rows[-1]
-        if total["speedup"] is not None:
-            metrics[f"profile/{phase}_speedup_vs_eager"] = total["speedup"]
+    if results.reference is not None:
+        metrics.update(part_metrics(results.reference.phases, "_eager"))
+    metrics.update({f"profile/{phase}_speedup_vs_eager": x for phase, x in results.speedups().items()})
+    return metrics
+
+
+def _notes(
+    state: RunState, profiled: session.ProfiledRun, results: ProfileResults, metrics: dict[str, float]
+) -> list[str]:
+    """The summary's lines: windows and overhead, coverage, what the graphs show, the comparison."""
+    cfg = state.cfg
     notes = [
         f"{len(profiled.windows)} windows ({', '.join(name for name, _ in profiled.windows[:2])}, ...); profiled decode "
         f"{metrics['profile/decode_ms']:.2f} ms/step = {metrics['profile/overhead_ratio']:.2f}x unprofiled",
@@ -211,8 +230,13 @@ def run(state: RunState) -> StageResult:
         f"{metrics['profile/layer_coverage_pct']:.1f} % of the layer stacks' time in a layer or deeper "
         f"(prefill {metrics['profile/prefill_layer_coverage_pct']:.1f} %, decode "
         f"{metrics['profile/decode_layer_coverage_pct']:.1f} %)",
-        *notes,
     ]
+    if cfg.profile.reference == "eager" and not state.captured:
+        notes.append("profile.reference=eager: the run is the eager model already (capture=none)")
+    if state.rank is not None:
+        notes.append(
+            f"communication: {metrics['profile/comm_pct']:.1f} % of the steps' time (rank {state.rank.rank})"
+        )
     if state.captured and spec(state.backend).compiles and not cfg.profile.kernel_provenance:
         notes.append(
             "inside the graphs: not attributed (profile.kernel_provenance=false): each compiled "
@@ -223,17 +247,10 @@ def run(state: RunState) -> StageResult:
         notes.append(
             f"inside the graphs: {spec(state.backend).sees}" + (f" ({counted} calls)" if counted else "")
         )
-    if "comparison" in extra:
-        speedups = [
-            f"{k.split('/')[1]} {v:.2f}x" for k, v in metrics.items() if k.endswith("_speedup_vs_eager")
-        ]
+    if results.comparison:
+        speedups = [f"{phase} {x:.2f}x" for phase, x in results.speedups().items()]
         rewrites = sorted(
-            {
-                r["note"]
-                for rows in extra["comparison"].values()
-                for r in rows
-                if r["note"].startswith("rewritten")
-            }
+            {r.note for rows in results.comparison.values() for r in rows if r.note.startswith("rewritten")}
         )
         notes.append(
             f"against {REFERENCE} on the same workload, whole steps (device time per step: export, the "
@@ -244,15 +261,7 @@ def run(state: RunState) -> StageResult:
     notes.append(
         "profile/profile.json, CSV tables and tables.txt; Chrome traces in traces/<phase>/ (Perfetto, HTA)"
     )
-    profile = {"phases": phases}
-    tables = {
-        "tables/module_breakdown.json": long_table(profile, "module"),
-        "tables/kernel_categories.json": long_table(profile, "category"),
-    }
-    result = StageResult(metrics=metrics, artifacts=[*files, trace_dir], notes=notes, tables=tables)
-    if state.waterfall is not None:
-        _write_waterfall(state, result)
-    return result
+    return notes
 
 
 def _write_waterfall(state: RunState, result: StageResult) -> None:

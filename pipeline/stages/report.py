@@ -7,11 +7,11 @@ rank's profile; the other ranks end with their folder, part of rank 0's run."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from pipeline.parallel import meet
+from pipeline.profiler.results import ProfileResults
 from pipeline.report.plots import render
 from pipeline.report.ranks import rank_metrics, rank_profiles
 from pipeline.report.run_report import write_report
@@ -26,7 +26,7 @@ def _plots(state: RunState) -> tuple[dict[str, Path], list[str]]:
         return {}, ["no profile, so no breakdown plots"]
     cfg = state.cfg.report
     return render(
-        json.loads(path.read_text()), state.run_dir / "plots", tuple(cfg.formats), cfg.top_k, cfg.depth
+        ProfileResults.load(path), state.run_dir / "plots", tuple(cfg.formats), cfg.top_k, cfg.depth
     )
 
 

@@ -14,10 +14,9 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from pipeline.profiler.output import load
-from pipeline.report.breakdown import kernel_times, module_buckets
+from pipeline.profiler.parts import kernel_times, module_buckets
+from pipeline.profiler.results import ProfileResults
 from pipeline.tracking import run_file
 
 
@@ -25,14 +24,14 @@ class CompareError(Exception):
     pass
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> ProfileResults:
     try:
-        return load(path)
+        return ProfileResults.load(path)
     except ValueError as exc:
         raise CompareError(str(exc)) from None
 
 
-def load_profile(ref: str, uri: str | None) -> tuple[str, dict[str, Any]]:
+def load_profile(ref: str, uri: str | None) -> tuple[str, ProfileResults]:
     """(label, profile.json) of a run folder or an MLflow run id."""
     folder = Path(ref)
     if folder.is_dir():
@@ -49,18 +48,18 @@ def load_profile(ref: str, uri: str | None) -> tuple[str, dict[str, Any]]:
 
 
 def differences(
-    a: dict[str, Any], b: dict[str, Any], phase: str
+    a: ProfileResults, b: ProfileResults, phase: str
 ) -> dict[str, list[tuple[str, float, float]]]:
     """{"module": [(part, a ms, b ms)], "category": [...]}, largest |b - a| first."""
     for profile in (a, b):
-        if phase not in profile["phases"]:
+        if phase not in profile.phases:
             raise CompareError(
-                f"phase {phase!r} is not in both profiles; they have {', '.join(profile['phases'])}"
+                f"phase {phase!r} is not in both profiles; they have {', '.join(profile.phases)}"
             )
-    summaries = (a["phases"][phase]["summary_stats"], b["phases"][phase]["summary_stats"])
+    summaries = (a.phases[phase].summary_stats, b.phases[phase].summary_stats)
     result = {}
-    for level, parts_of in (("module", module_buckets), ("category", lambda s: kernel_times(s, "category"))):
-        left, right = (parts_of(s) for s in summaries)
+    for level, times_of in (("module", module_buckets), ("category", lambda s: kernel_times(s, "category"))):
+        left, right = (times_of(s) for s in summaries)
         rows = [(name, left.get(name, 0.0) / 1000, right.get(name, 0.0) / 1000) for name in {*left, *right}]
         result[level] = sorted(rows, key=lambda r: -abs(r[2] - r[1]))
     return result

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.profiler.output import load
+from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.tables import phase_table
 
 
@@ -26,12 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=None, help="largest children per node (default: all)")
     args = parser.parse_args(argv)
     try:
-        profile = load(args.json_trace)
+        profile = ProfileResults.load(args.json_trace)
     except ValueError as exc:
         print(f"error: --json-trace {exc}", file=sys.stderr)
         return 2
     try:
-        print(phase_table(profile, args.phase, args.table, args.depth, args.top_k))
+        print(phase_table(profile.phases, args.phase, args.table, args.depth, args.top_k))
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2

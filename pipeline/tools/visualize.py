@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.profiler.output import load
+from pipeline.profiler.results import ProfileResults
 from pipeline.report.breakdown import PHASES, breakdown
 from pipeline.report.plots import breakdown_figure
 
@@ -34,21 +34,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --output {args.output}: use a .png, .pdf or .svg file", file=sys.stderr)
         return 2
     try:
-        profile = load(args.json_trace)
+        profile = ProfileResults.load(args.json_trace)
     except ValueError as exc:
         print(f"error: --json-trace {exc}", file=sys.stderr)
         return 2
     phases = tuple(args.phase or PHASES)
-    missing = [p for p in phases if p not in profile["phases"]]
+    missing = [p for p in phases if p not in profile.phases]
     if missing:
         print(
-            f"error: --phase {missing[0]} is not in this profile; it has {', '.join(profile['phases'])}",
+            f"error: --phase {missing[0]} is not in this profile; it has {', '.join(profile.phases)}",
             file=sys.stderr,
         )
         return 2
     data = {
         p: parts
-        for p, parts in breakdown(profile, args.level, args.top_k, args.depth, phases).items()
+        for p, parts in breakdown(profile.phases, args.level, args.top_k, args.depth, phases).items()
         if sum(parts.values()) > 0
     }
     if not data:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import matplotlib.pyplot as plt
 
-    context = profile.get("context", {})
+    context = profile.context
     fig = breakdown_figure(
         data,
         f"Where the time goes, {TITLES[args.level]} ({context.get('model', '')} {context.get('backend', '')})",

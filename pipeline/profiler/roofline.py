@@ -1,4 +1,4 @@
-"""Where each part stands against the machine: per module bucket (breakdown.module_buckets) and
+"""Where each part stands against the machine: per module bucket (parts.module_buckets) and
 phase, the work its weights do in the profiled step and the least time the machine needs for it,
 from limits measured beside the profiled steps (stages/profile.py): the read limit
 (machine_load.read_limit_gbs) and the GEMM rate at each of the part's own GEMM shapes as the step
@@ -29,12 +29,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.report.breakdown import MEASURABLE_US, bucket_of, module_buckets, part_of
+from pipeline.profiler.parts import MEASURABLE_US, bucket_of, module_buckets, part_of
+from pipeline.profiler.rows import Phases, RoofRow
 
 GEMM_FLOOR = 64  # smallest side of a measured GEMM
 COUNTED = ("attention", "mlp", "lm_head")
@@ -176,55 +176,42 @@ def _gemm_s(gemms: list[tuple[int, int, int, float]], roofs: Roofs, decode: bool
     return total
 
 
-def roofline(phases: dict[str, Any], model: nn.Module, roofs: Roofs) -> dict[str, list[dict[str, Any]]]:
+def roofline(phases: Phases, model: nn.Module, roofs: Roofs) -> dict[str, list[RoofRow]]:
     """phase -> rows of the parts with weights and measurable time, furthest below the roof first:
     part, device_ms, weight_mib, kv_mib (attention's KV cache read), gbs (bytes read / time: counted
     parts only), tflops, bound (read or gemm), roof_ms, pct_of_roof, roof_error (the part beat the
     roof: no percent)."""
-    out: dict[str, list[dict[str, Any]]] = {}
+    out: dict[str, list[RoofRow]] = {}
     for phase in ("prefill", "decode"):
         if phase not in phases or phase not in roofs.steps:
             continue
-        times = module_buckets(phases[phase]["summary_stats"])
+        times = module_buckets(phases[phase].summary_stats)
         rows = []
         for bucket, part in work(model, set(times), phase, roofs).items():
             us = times.get(bucket, 0.0)
             if us < MEASURABLE_US or not _counted(bucket) or not part.weight_bytes:
                 continue
             seconds = us * 1e-6
-            row: dict[str, Any] = {
-                "part": bucket,
-                "device_ms": us / 1000,
-                "weight_mib": part.weight_bytes / 2**20,
-                "kv_mib": part.kv_bytes / 2**20,
-                "gbs": None,
-                "tflops": None,
-                "bound": None,
-                "roof_ms": None,
-                "pct_of_roof": None,
-                "roof_error": False,
-            }
+            row = RoofRow(bucket, us / 1000, part.weight_bytes / 2**20, part.kv_bytes / 2**20)
             if part.flops and part_of(bucket) in COUNTED:
                 read_s = part.read_bytes / (roofs.read_gbs * 1e9)
                 gemm_s = _gemm_s(part.gemms, roofs, phase == "decode")
                 roof_s = max(read_s, gemm_s)
-                row.update(
-                    gbs=part.read_bytes / seconds / 1e9,
-                    tflops=part.flops / seconds / 1e12,
-                    bound="read" if read_s >= gemm_s else "gemm",
-                    roof_ms=roof_s * 1000,
-                )
+                row.gbs = part.read_bytes / seconds / 1e9
+                row.tflops = part.flops / seconds / 1e12
+                row.bound = "read" if read_s >= gemm_s else "gemm"
+                row.roof_ms = roof_s * 1000
                 if seconds < roof_s:
-                    row["roof_error"] = True
+                    row.roof_error = True
                 else:
-                    row["pct_of_roof"] = 100 * roof_s / seconds
+                    row.pct_of_roof = 100 * roof_s / seconds
             rows.append(row)
-        rows.sort(key=lambda r: (not r["roof_error"], r["pct_of_roof"] is None, r["pct_of_roof"] or 0.0))
+        rows.sort(key=lambda r: (not r.roof_error, r.pct_of_roof is None, r.pct_of_roof or 0.0))
         out[phase] = rows
     return out
 
 
-def roofline_table(rows: list[dict[str, Any]], phase: str, roofs: Roofs) -> str:
+def roofline_table(rows: list[RoofRow], phase: str, roofs: Roofs) -> str:
     step = roofs.shape(phase)
     title = (
         f"{phase} ({step.tokens} token{'s' if step.tokens != 1 else ''} fed, {step.context:.0f} in the KV cache "
@@ -238,16 +225,16 @@ def roofline_table(rows: list[dict[str, Any]], phase: str, roofs: Roofs) -> str:
     )
     lines = [title, header, "-" * len(header)]
     for r in rows:
-        name = r["part"] if len(r["part"]) <= 56 else "..." + r["part"][-53:]
-        line = f"{name:<56} {r['device_ms']:>10.3f} {r['weight_mib']:>12.2f} {r['kv_mib']:>8.2f}"
-        if r["roof_ms"] is None:
+        name = r.part if len(r.part) <= 56 else "..." + r.part[-53:]
+        line = f"{name:<56} {r.device_ms:>10.3f} {r.weight_mib:>12.2f} {r.kv_mib:>8.2f}"
+        if r.roof_ms is None:
             line += f" {'-':>8} {'-':>8} {'-':>6} {'-':>9} {'-':>10}"
         else:
-            line += f" {r['gbs']:>8.2f} {r['tflops']:>8.4f} {r['bound']:>6} {r['roof_ms']:>9.3f}"
+            line += f" {r.gbs:>8.2f} {r.tflops:>8.4f} {r.bound:>6} {r.roof_ms:>9.3f}"
             line += (
-                f"  ROOF ERROR: {r['device_ms']:.3f} ms < roof {r['roof_ms']:.3f} ms"
-                if r["roof_error"]
-                else f" {r['pct_of_roof']:>9.1f}%"
+                f"  ROOF ERROR: {r.device_ms:.3f} ms < roof {r.roof_ms:.3f} ms"
+                if r.roof_error
+                else f" {r.pct_of_roof:>9.1f}%"
             )
         lines.append(line)
     lines.append(
