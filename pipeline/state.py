@@ -27,8 +27,9 @@ if TYPE_CHECKING:  # the modules that fill these fields import this one
 
 @dataclass(frozen=True)
 class Job:
-    """One job as checked before any model is built: what a run, each tensor-parallel rank and the
-    bench start from (pickled whole into a spawned rank)."""
+    """One job as checked before any model is built (jobs.checked_job, its one maker): what a run,
+    each tensor-parallel rank, the bench and the tests start from (pickled whole into a spawned
+    rank)."""
 
     config: PipelineConfig
     hf_config: PretrainedConfig

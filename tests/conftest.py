@@ -29,8 +29,10 @@ from omegaconf import DictConfig
 
 from pipeline import REPO_ROOT
 from pipeline.config import PipelineConfig, register_schemas, typed
+from pipeline.devices import dtype_name
 from pipeline.export import graph_capture
 from pipeline.graphs import find_language_models
+from pipeline.jobs import checked_job
 from pipeline.models import build, meta, probe, zoo
 from pipeline.models.inputs import make_example_inputs
 from pipeline.parallel import free_port
@@ -131,11 +133,10 @@ def capture_tiny(model, hf_config, examples, paths: list[str] | None = None):
 
 
 def job_of(overrides: list[str], run_dir: Path, dtype=torch.float32, device: str = "cpu") -> Job:
-    """The job `python -m pipeline OVERRIDES` would run, in run_dir (the config not validated)."""
-    cfg = compose_cfg(overrides)
-    return Job(
-        cfg, zoo.build_hf_config(cfg.model), run_dir, dtype, torch.device(device), overrides=tuple(overrides)
-    )
+    """The job `python -m pipeline OVERRIDES dtype=.. device=..` would run, in run_dir, checked as
+    the CLI checks it (a ConfigError where the CLI would stop)."""
+    chosen = [*overrides, f"dtype={dtype_name(dtype)}", f"device={device}"]
+    return checked_job(compose_dict(chosen), run_dir, torch.cuda.is_available(), overrides=tuple(overrides))
 
 
 @contextlib.contextmanager

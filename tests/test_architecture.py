@@ -6,6 +6,7 @@ GraphRecord, not in loose attributes."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import REPO_ROOT
@@ -36,6 +37,7 @@ LAYERS = [
     ["stages"],
     ["runner"],
     ["ranks"],
+    ["jobs"],
     ["__main__", "bench", "tools"],
 ]
 LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}
@@ -159,3 +161,17 @@ def test_no_import_circle():
         if name not in state:
             visit(name, [name])
     assert not circles, "\n".join(circles)
+
+
+def test_a_job_has_one_maker_the_cli_the_bench_and_the_tests_share():
+    """A Job is constructed in jobs.py alone, and the three places that start jobs reach it; a job
+    the CLI refuses is refused to the bench and the tests alike (tests/test_config.py)."""
+    makers = sorted(
+        str(p.relative_to(REPO_ROOT))
+        for root in (PACKAGE, REPO_ROOT / "tests")
+        for p in root.rglob("*.py")
+        if re.search(r"(?<![\w.`])Job\(", p.read_text())
+    )
+    assert makers == ["pipeline/jobs.py"], makers
+    for user in ("pipeline/__main__.py", "pipeline/bench/prepare.py", "tests/conftest.py"):
+        assert "checked_job(" in (REPO_ROOT / user).read_text(), user

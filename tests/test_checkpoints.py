@@ -28,10 +28,10 @@ from conftest import (
 )
 from PIL import Image
 from test_runtime import hf_inputs
-from two_ranks import spawn
+from two_ranks import WORLD, spawn
 
-from pipeline.__main__ import check_config
 from pipeline.errors import ConfigError, StageFailure
+from pipeline.jobs import check_config
 from pipeline.models import checkpoint, zoo
 from pipeline.models.deferred import DeferredWeights
 from pipeline.runner import advance, new_state, run_stage
@@ -175,7 +175,8 @@ def test_two_ranks_generate_what_hugging_face_generates_from_the_folder(tp_weigh
         "prompt.output_len=6",
         "capture=partial",
     ]
-    ranks = spawn(_generate_on_rank, [*overrides, f"runtime.tp_weights={tp_weights}"])
+    world = [f"runtime.tp_weights={tp_weights}", f"runtime.world_size={WORLD}", "profile.reference=none"]
+    ranks = spawn(_generate_on_rank, [*overrides, *world])
     cls = check_config(compose_dict(overrides), cuda_available=False).model_cls
     reference = _hf_reference(cls, folders[name], ranks[0]["requests"], torch.float32, 6)
     for rank in ranks:
@@ -238,7 +239,8 @@ def test_two_ranks_with_sliced_weights_generate_what_hugging_face_generates_from
         "prompt.output_len=6",
         "capture=partial",
     ]
-    ranks = spawn(_generate_on_rank, [*overrides, "runtime.tp_weights=shard"])
+    world = ["runtime.tp_weights=shard", f"runtime.world_size={WORLD}", "profile.reference=none"]
+    ranks = spawn(_generate_on_rank, [*overrides, *world])
     cls = check_config(compose_dict(overrides), cuda_available=False).model_cls
     reference = _hf_reference(cls, moe_folders[name], ranks[0]["requests"], torch.float32, 6)
     for rank in ranks:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
+import torch
 import transformers
-from conftest import REPO_ROOT, compose_cfg, mlflow_runs, run_pipeline
+from conftest import REPO_ROOT, compose_cfg, job_of, mlflow_runs, run_pipeline
 from hydra.errors import ConfigCompositionException
 
 from pipeline.backend_specs import SPECS
@@ -215,8 +217,8 @@ def test_seed_prompt_queries_compose():
 def test_cuda_graph_replays_of_cross_attended_images_are_refused_up_front():
     """Mllama's steps take as many vision states as their sequences bring: a backend that replays
     CUDA graphs is refused naming the fix, and backend=auto picks torch-compile for it on CUDA."""
-    from pipeline.__main__ import check_replays
     from pipeline.config import resolve_backend
+    from pipeline.jobs import check_replays
 
     config = compose_cfg(["model=tiny_mllama", "backend=torch-cudagraph", "device=cuda"])
     hf_config = zoo.build_hf_config(config.model)
@@ -241,7 +243,7 @@ def test_cuda_graph_replays_of_cross_attended_images_are_refused_up_front():
     ],
 )
 def test_an_attention_backend_without_what_the_model_needs_is_refused_up_front(name, attention, refused):
-    from pipeline.__main__ import check_attention_options
+    from pipeline.jobs import check_attention_options
 
     config = compose_cfg([f"model={name}", f"attention={attention}", "device=cuda"])
     hf_config = zoo.build_hf_config(config.model)
@@ -255,3 +257,23 @@ def test_an_attention_backend_without_what_the_model_needs_is_refused_up_front(n
     # nothing to refuse where no cached attention is inserted
     off = compose_cfg([f"model={name}", f"attention={attention}", "device=cuda", "capture=none"])
     check_attention_options(off, hf_config, cuda_available=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["runtime.tp_weights=shard"], "runtime.world_size=0 is one process"),
+        (["model=tiny_mistral3", "capture.submodules=[model.no_such]"], "capture.submodules"),
+    ],
+)
+def test_the_tests_and_the_bench_build_only_jobs_the_cli_runs(tmp_path, overrides, message):
+    """One maker of jobs (jobs.checked_job): what the CLI refuses, the tests' staged jobs and the
+    bench's prepared ones are refused with the same line, before a model is built."""
+    from pipeline.bench.prepare import job as bench_job
+
+    cli = run_pipeline([*overrides, "dry_run=true"], tmp_path / "cli")
+    assert cli.returncode == 2 and message in cli.stderr, cli.stderr
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        job_of(overrides, tmp_path / "test")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench_job(overrides, torch.float32, torch.device("cpu"), tmp_path / "bench")

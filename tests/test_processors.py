@@ -16,8 +16,8 @@ from conftest import build_tiny, compose_cfg, compose_dict, staged
 from PIL import Image
 from test_checkpoints import hydra_value
 
-from pipeline.__main__ import check_config
 from pipeline.errors import ConfigError
+from pipeline.jobs import check_config
 from pipeline.models import meta, zoo
 from pipeline.models.families import family_processor
 from pipeline.models.images import default_image_size, synthetic_image

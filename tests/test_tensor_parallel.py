@@ -25,8 +25,8 @@ from conftest import (
     sweep_parent,
 )
 
-from pipeline.__main__ import check_config
 from pipeline.errors import ConfigError
+from pipeline.jobs import check_config
 from pipeline.parallel import free_port
 
 ARGS = [

@@ -1,6 +1,7 @@
 """The model a benchmark measures, brought to a stage by the pipeline's own runner, so the bench
-measures what `python -m pipeline` runs: the composed, typed config as a Job, then
-`runner.advance` to the stage asked for, on a state whose files go to a temporary folder."""
+measures what `python -m pipeline` runs: the composed config checked into a Job as the CLI checks
+it (jobs.checked_job), then `runner.advance` to the stage asked for, on a state whose files go to
+a temporary folder."""
 
 from __future__ import annotations
 
@@ -14,23 +15,22 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from pipeline import REPO_ROOT
-from pipeline.config import PipelineConfig, register_schemas, typed
-from pipeline.models import zoo
+from pipeline.config import register_schemas
+from pipeline.devices import dtype_name
+from pipeline.jobs import checked_job
 from pipeline.runner import advance, new_state
 from pipeline.runtime.engine import DemoLLM
 from pipeline.state import Job, RunState
 
 
-def compose(overrides: list[str]) -> PipelineConfig:
+def job(overrides: list[str], dtype: torch.dtype, device: torch.device, run_dir: Path) -> Job:
+    """The job `python -m pipeline OVERRIDES dtype=.. device=..` would run, in `run_dir`, or the
+    ConfigError the CLI would stop at."""
+    chosen = [*overrides, f"dtype={dtype_name(dtype)}", f"device={device.type}"]
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return typed(hydra_compose(config_name="config", overrides=overrides))
-
-
-def job(overrides: list[str], dtype: torch.dtype, device: torch.device, run_dir: Path) -> Job:
-    """The job `python -m pipeline OVERRIDES` would run, in `run_dir`."""
-    cfg = compose(overrides)
-    return Job(cfg, zoo.build_hf_config(cfg.model), run_dir, dtype, device, overrides=tuple(overrides))
+        cfg = hydra_compose(config_name="config", overrides=chosen)
+    return checked_job(cfg, run_dir, torch.cuda.is_available(), overrides=tuple(chosen))
 
 
 @contextlib.contextmanager

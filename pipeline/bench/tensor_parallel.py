@@ -112,6 +112,7 @@ def _rank(rank: int, world: int, port: int, args: dict, threads: int, extra: lis
         limit = ReadLimit(READ_LIMIT_GIB, device)
         dtype = getattr(torch, args["dtype"])
         overrides = [f"model={args['model']}", "capture=partial", "backend=torch-simple", *extra]
+        overrides += [f"runtime.world_size={world}"] if world > 1 else []  # the job each rank runs
         with prepared(overrides, dtype, device, "capture") as state:
             engine = engine_of(state)
             text = zoo.text_config_of(state.hf_config)
@@ -191,7 +192,7 @@ def bench(args: dict) -> dict:
         blocks.append(run_block(f"world {world}, lm_head vocab-parallel", world, args))
         replicated = ["transforms.shard.lm_head=replicated"]
         blocks.append(run_block(f"world {world}, lm_head replicated", world, args, replicated))
-        slices = ["runtime.tp_weights=shard"]
+        slices = ["runtime.tp_weights=shard", "profile.reference=none"]  # as the CLI takes it
         blocks.append(run_block(f"world {world}, only its slices allocated", world, args, slices))
     blocks.append(run_block("world 1 again", 1, args))
 

@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.__main__ import check_config, one_line
+from pipeline.__main__ import one_line
 from pipeline.errors import ConfigError
+from pipeline.jobs import check_config
 
 # 500 drawn configs and whole runs: minutes (CI and `make test-all` run them)
 pytestmark = pytest.mark.slow

@@ -78,7 +78,8 @@ def _held_bytes(model: torch.nn.Module) -> int:
 def _slices_then_whole(rank: int, overrides: list[str]) -> dict:
     """Both ranks run the stages holding only their slices (runtime.tp_weights=shard); then rank
     0, alone, the same model whole."""
-    shard = [*overrides, "runtime.tp_weights=shard"]
+    # as the CLI runs each rank (no rank holds the whole eager model to profile beside it)
+    shard = [*overrides, "runtime.tp_weights=shard", f"runtime.world_size={WORLD}", "profile.reference=none"]
     with staged(shard, "generate") as state:
         ran = dict(
             tokens=generated_tokens(state.run_dir),
