@@ -175,3 +175,15 @@ def test_a_job_has_one_maker_the_cli_the_bench_and_the_tests_share():
     assert makers == ["pipeline/jobs.py"], makers
     for user in ("pipeline/__main__.py", "pipeline/bench/prepare.py", "tests/conftest.py"):
         assert "checked_job(" in (REPO_ROOT / user).read_text(), user
+
+
+def test_each_stage_reads_as_a_table_of_contents():
+    """No function in pipeline/stages/ is over 50 lines: a stage's run names its steps, and each
+    step is a function of its own (or lives in the package that does the work)."""
+    long = [
+        f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted((PACKAGE / "stages").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 50
+    ]
+    assert not long, long

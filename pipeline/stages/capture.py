@@ -34,37 +34,9 @@ def run(state: RunState) -> StageResult:
     frames = compiled_frames()
     start = time.perf_counter()
     try:
-        runners = install.apply(
-            state.backend, targets, state.cfg.runtime, state.cfg.backend, on_cuda=state.device.type == "cuda"
-        )
-        if not runners:  # torch-compile alone
-            result.notes.append("every step runs Inductor's code of each whole graph; no step is replayed")
-        for name, runner in runners.items():
-            result.notes.append(_captures(name, runner))
-            if isinstance(runner, piecewise.PiecewiseRunner):
-                result.metrics["capture/piecewise_buckets"] = len(runner.buckets)
-            else:
-                result.metrics["capture/buckets"] = len(runner.buckets)
-        maybe_fail("capture")
-        # The first calls compile (and warm up); the check is against the eager reference.
-        checks = correctness.check(state, "capture", result)
-        if cause := correctness.failure(checks):
-            raise StageFailure(cause)
-        _warm_up(state)
+        _install(state, targets, result)
     except Exception as exc:
-        cause = short_cause(exc)
-        # Whatever the attempt held (compiled code, captured graphs, their memory pools) goes now,
-        # so a fallback, or the next job of a sweep, has the memory back.
-        install.remove(targets)
-        free_memory()
-        if state.cfg.backend.fallback != "eager":
-            raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
-        result.tags["capture_fallback"] = "true"
-        result.notes.append(
-            f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"
-        )
-        result.metrics["capture/fallback"] = 1
-        state.compiled_frames = compiled_frames()
+        _fall_back(state, targets, result, exc)
         return result
     result.metrics["capture/compile_s"] = time.perf_counter() - start
     result.metrics["capture/graphs"] = len(targets)
@@ -76,6 +48,46 @@ def run(state: RunState) -> StageResult:
         f"compiled and checked {len(targets)} graph(s) in {result.metrics['capture/compile_s']:.1f} s"
     )
     return result
+
+
+def _install(state: RunState, targets: list[tuple[str, nn.Module]], result: StageResult) -> None:
+    """The backend on every target, its buckets said; the first calls compile and are checked
+    against the eager reference; then a warm-up."""
+    runners = install.apply(
+        state.backend, targets, state.cfg.runtime, state.cfg.backend, on_cuda=state.device.type == "cuda"
+    )
+    if not runners:  # torch-compile alone
+        result.notes.append("every step runs Inductor's code of each whole graph; no step is replayed")
+    for name, runner in runners.items():
+        result.notes.append(_captures(name, runner))
+        if isinstance(runner, piecewise.PiecewiseRunner):
+            result.metrics["capture/piecewise_buckets"] = len(runner.buckets)
+        else:
+            result.metrics["capture/buckets"] = len(runner.buckets)
+    maybe_fail("capture")
+    checks = correctness.check(state, "capture", result)
+    if cause := correctness.failure(checks):
+        raise StageFailure(cause)
+    _warm_up(state)
+
+
+def _fall_back(
+    state: RunState, targets: list[tuple[str, nn.Module]], result: StageResult, exc: Exception
+) -> None:
+    """A failed capture: whatever the attempt held (compiled code, captured graphs, their memory
+    pools) goes now, so a fallback, or the next job of a sweep, has the memory back; then the
+    graphs run uncompiled (backend.fallback=eager) or the stage fails."""
+    cause = short_cause(exc)
+    install.remove(targets)
+    free_memory()
+    if state.cfg.backend.fallback != "eager":
+        raise StageFailure(f"backend {state.backend} failed: {cause}") from exc
+    result.tags["capture_fallback"] = "true"
+    result.notes.append(
+        f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"
+    )
+    result.metrics["capture/fallback"] = 1
+    state.compiled_frames = compiled_frames()
 
 
 def _captures(name: str, runner: nn.Module) -> str:

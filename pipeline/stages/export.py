@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from torch import nn
+
 from pipeline import correctness, numerics, waterfall
 from pipeline.errors import StageFailure, short_cause
 from pipeline.export import graph_capture
@@ -59,33 +61,11 @@ def run(state: RunState) -> StageResult:
         )
     if state.cfg.profile.waterfall:
         waterfall.start(state)
-    try:
-        model, state.captured = graph_capture.capture(
-            state.model, paths, capture_call, state.model_info.position_offset, examples.text
-        )
-    except graph_capture.ExportFailed as failed:
-        exc, path = failed.__cause__, failed.path
-        (state.run_dir / "logs" / f"export_{path or 'root'}_partial_graph.txt").write_text(failed.console)
-        where = graph_capture.module_of_failure(exc, state.model) or (path or "root")
-        hint = "; try capture=partial" if not path and state.model_info.is_vlm else ""
-        raise StageFailure(f"{failed} in {where}: {short_cause(exc)}{hint}") from exc
-
-    if paths == [""] and state.model_info.is_vlm and state.model_info.language_model_paths:
-        # Where the decoder sits inside a full graph, for transforms that touch only its layers.
-        record_of(
-            state.captured[0].graph_module
-        ).language_model_prefix = state.model_info.language_model_paths[0]
+    model = _export(state, paths, capture_call)
     result = StageResult(notes=notes)
     for captured in state.captured:
         numerics.tag_layer_outputs(captured.graph_module, captured.path, parts)
-        result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes
-        result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
-        result.artifacts += _write_graph_artifacts(state, captured)
-        result.notes.append(
-            f"captured '{captured.name}': {captured.num_nodes} nodes as exported, inputs {captured.tensor_inputs}, "
-            f"constants {captured.constants}, {captured.export_s:.1f} s"
-        )
-        result.notes += [f"'{captured.name}': {note}" for note in captured.notes]
+        _describe(state, captured, result)
     state.model = model
     result.metrics["export/torch_export_s"] = sum(c.export_s for c in state.captured)
     if paths != [""]:
@@ -98,6 +78,40 @@ def run(state: RunState) -> StageResult:
     if cause := correctness.failure(checks):
         raise StageFailure(cause)
     return result
+
+
+def _export(state: RunState, paths: list[str], capture_call: dict) -> nn.Module:
+    """The model with each path's graph swapped in (state.captured holds them), or a StageFailure
+    naming the module export failed in, torch's partial graph in logs/."""
+    examples = state.example_inputs
+    try:
+        model, state.captured = graph_capture.capture(
+            state.model, paths, capture_call, state.model_info.position_offset, examples.text
+        )
+    except graph_capture.ExportFailed as failed:
+        exc, path = failed.__cause__, failed.path
+        (state.run_dir / "logs" / f"export_{path or 'root'}_partial_graph.txt").write_text(failed.console)
+        where = graph_capture.module_of_failure(exc, state.model) or (path or "root")
+        hint = "; try capture=partial" if not path and state.model_info.is_vlm else ""
+        raise StageFailure(f"{failed} in {where}: {short_cause(exc)}{hint}") from exc
+    if paths == [""] and state.model_info.is_vlm and state.model_info.language_model_paths:
+        # Where the decoder sits inside a full graph, for transforms that touch only its layers.
+        record_of(
+            state.captured[0].graph_module
+        ).language_model_prefix = state.model_info.language_model_paths[0]
+    return model
+
+
+def _describe(state: RunState, captured, result: StageResult) -> None:
+    """One captured graph's metrics, files (its code, its graph) and notes."""
+    result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes
+    result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
+    result.artifacts += _write_graph_artifacts(state, captured)
+    result.notes.append(
+        f"captured '{captured.name}': {captured.num_nodes} nodes as exported, inputs {captured.tensor_inputs}, "
+        f"constants {captured.constants}, {captured.export_s:.1f} s"
+    )
+    result.notes += [f"'{captured.name}': {note}" for note in captured.notes]
 
 
 def _decode_reference(state: RunState, parts: list[str]) -> numerics.DecodeParts | None:

@@ -51,41 +51,14 @@ def run(state: RunState) -> StageResult:
     tokens_file = state.run_dir / "generation" / "tokens.json"
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
     generation.write_tokens(tokens_file, requests, runs[-1])
-    routed_bytes, bytes_notes = _routed_bytes(state, engine, requests)
-    decode_bytes = routed_bytes if routed_bytes is not None else _decode_bytes(state)
-    metrics = generation.generation_metrics(runs, decode_bytes, engine.lookahead)
-    notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
-    if routed_bytes is not None:
-        metrics["model/decode_routed_bytes"] = routed_bytes
-    if spec(state.backend).compiles:
-        metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
-        notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
-    reports = [runner.report() for runner in piecewise.runners(state.model)]
-    resources, resource_notes = generation.resource_metrics(state.model, engine, reports)
-    artifacts, tables = [tokens_file], {}
-    for report in reports:  # one table: only the language model is cached
-        path = state.run_dir / "generation" / "piecewise.json"
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        artifacts.append(path)
-        if report["rows"]:
-            tables["tables/piecewise.json"] = {
-                key: [r[key] for r in report["rows"]] for key in report["rows"][0]
-            }
-    steps = generation.decode_steps_ms(runs, engine.lookahead)
-    noisy, why = noise_verdict(load.other_cores, steps)
-    metrics["noise/other_cores"] = load.other_cores
-    # The limit of this moment beside the run's own read rate: the machine's drifts by 2x in an hour.
-    metrics["throughput/read_limit_gbs"] = read_limit_gbs(state.device)
-    metrics["throughput/decode_pct_of_limit"] = (
-        100 * metrics["throughput/decode_gbs"] / metrics["throughput/read_limit_gbs"]
-    )
-    if steps:
-        metrics["noise/decode_spread"] = quantile(steps, 0.9) / quantile(steps, 0.1)
+    metrics, notes = _throughput(state, engine, requests, runs, warm_up)
+    resources, artifacts, tables, resource_notes = _piecewise_and_resources(state, engine)
+    noisy, why = _noise(state, engine, runs, load, metrics)
     if noisy:
         notes.append(f"NOISY measurement: {why}; re-run on a quiet machine before comparing")
     return StageResult(
         metrics=metrics | resources,
-        artifacts=artifacts,
+        artifacts=[tokens_file, *artifacts],
         tables=tables,
         notes=notes + resource_notes,
         tags={"noisy": str(noisy).lower(), **({"noisy_reason": why} if noisy else {})},
@@ -97,6 +70,54 @@ def run(state: RunState) -> StageResult:
             "max_new_tokens": [cfg.prompt.output_len] * len(requests),
         },
     )
+
+
+def _throughput(state: RunState, engine: DemoLLM, requests, runs, warm_up: bool) -> tuple[dict, list[str]]:
+    """Latency and throughput of the timed runs, decode GB/s over the bytes a step reads (the
+    routed experts' only where they can be counted), and the recompiles during generation."""
+    routed_bytes, bytes_notes = _routed_bytes(state, engine, requests)
+    decode_bytes = routed_bytes if routed_bytes is not None else _decode_bytes(state)
+    metrics = generation.generation_metrics(runs, decode_bytes, engine.lookahead)
+    notes = generation.generation_notes(engine, requests, metrics, len(runs), warm_up) + bytes_notes
+    if routed_bytes is not None:
+        metrics["model/decode_routed_bytes"] = routed_bytes
+    if spec(state.backend).compiles:
+        metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
+        notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
+    return metrics, notes
+
+
+def _piecewise_and_resources(state: RunState, engine: DemoLLM) -> tuple[dict, list, dict, list[str]]:
+    """Memory and buffers, and the piecewise runners' bucket table (generation/piecewise.json and
+    an MLflow table): (metrics, artifacts, tables, notes)."""
+    reports = [runner.report() for runner in piecewise.runners(state.model)]
+    resources, notes = generation.resource_metrics(state.model, engine, reports)
+    artifacts, tables = [], {}
+    for report in reports:  # one table: only the language model is cached
+        path = state.run_dir / "generation" / "piecewise.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        artifacts.append(path)
+        if report["rows"]:
+            tables["tables/piecewise.json"] = {
+                key: [r[key] for r in report["rows"]] for key in report["rows"][0]
+            }
+    return resources, artifacts, tables, notes
+
+
+def _noise(state: RunState, engine: DemoLLM, runs, load: MachineLoad, metrics: dict) -> tuple[bool, str]:
+    """Whether the measurement is noisy (other processes' CPU time, the decode steps' spread), and
+    the read limit of this moment beside the run's own read rate: the machine's drifts by 2x in an
+    hour."""
+    steps = generation.decode_steps_ms(runs, engine.lookahead)
+    noisy, why = noise_verdict(load.other_cores, steps)
+    metrics["noise/other_cores"] = load.other_cores
+    metrics["throughput/read_limit_gbs"] = read_limit_gbs(state.device)
+    metrics["throughput/decode_pct_of_limit"] = (
+        100 * metrics["throughput/decode_gbs"] / metrics["throughput/read_limit_gbs"]
+    )
+    if steps:
+        metrics["noise/decode_spread"] = quantile(steps, 0.9) / quantile(steps, 0.1)
+    return noisy, why
 
 
 def _routed_bytes(state: RunState, engine: DemoLLM, requests) -> tuple[float | None, list[str]]:

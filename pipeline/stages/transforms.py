@@ -51,22 +51,28 @@ def run(state: RunState) -> StageResult:
     if not transforms:
         result.notes.append("no transforms configured (transforms=none)")
     if state.deferred is not None:
-        if left := state.deferred.left(state.model):
-            raise StageFailure(
-                f"{len(left)} weight(s) left unfilled after the transforms ({', '.join(left[:3])}): "
-                "runtime.tp_weights=shard needs transforms.shard to run on [subgraph,model] without skip_on_error"
-            )
-        result.metrics["model/rank_bytes"] = _parameter_bytes(state.model)
-        result.notes.append(
-            f"runtime.tp_weights=shard: this rank holds {human_bytes(result.metrics['model/rank_bytes'])} "
-            "of weights; no eager model to check against (tests compare the ranks' tokens with one process's)"
-        )
+        _check_slices_filled(state, result)
     elif any(r.status == "applied" and r.matches for r in history.records):
         if cause := correctness.failure(correctness.check(state, "transforms", result)):
             raise StageFailure(cause)
     else:
         result.notes.append("nothing matched: the model is unchanged")
     return result
+
+
+def _check_slices_filled(state: RunState, result: StageResult) -> None:
+    """runtime.tp_weights=shard: every placeholder load left is filled with this rank's slice, or
+    the stage fails naming them; what the rank holds is said."""
+    if left := state.deferred.left(state.model):
+        raise StageFailure(
+            f"{len(left)} weight(s) left unfilled after the transforms ({', '.join(left[:3])}): "
+            "runtime.tp_weights=shard needs transforms.shard to run on [subgraph,model] without skip_on_error"
+        )
+    result.metrics["model/rank_bytes"] = _parameter_bytes(state.model)
+    result.notes.append(
+        f"runtime.tp_weights=shard: this rank holds {human_bytes(result.metrics['model/rank_bytes'])} "
+        "of weights; no eager model to check against (tests compare the ranks' tokens with one process's)"
+    )
 
 
 def _stepwise(state: RunState, transforms, ctx, history: registry.TransformHistory) -> None:
