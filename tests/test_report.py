@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
 from pipeline.profiler.comparison import _rewritten_by, compared_part, comparison
-from pipeline.profiler.parts import PARTS, bucket_of, kernel_times, module_buckets, part_of
+from pipeline.profiler.parts import PARTS, kernel_times, module_slices, part_of, slice_of
 from pipeline.profiler.rows import PhaseStats, ProfileNode
 from pipeline.profiler.tables import comparison_table
 from pipeline.report.breakdown import breakdown, top_k
@@ -82,8 +82,8 @@ SUMMARY = _node(
 )
 
 
-def test_module_buckets_split_layers_into_their_children():
-    buckets = module_buckets(SUMMARY)
+def test_module_slices_split_layers_into_their_children():
+    buckets = module_slices(SUMMARY)
     assert buckets == {
         "demollm.step_inputs": 5.0,
         "lm.layers.*.self_attn": 40.0,
@@ -94,7 +94,7 @@ def test_module_buckets_split_layers_into_their_children():
         "(unattributed)": 5.0,
     }
     assert sum(buckets.values()) == pytest.approx(SUMMARY.device_time_us)
-    assert module_buckets(SUMMARY, depth=1) == {
+    assert module_slices(SUMMARY, depth=1) == {
         "demollm.step_inputs": 5.0,
         "Model": 90.0,
         "(unattributed)": 5.0,
@@ -340,12 +340,12 @@ def test_parts_inductor_fused_get_one_ratio_over_the_group():
 
 def test_a_module_maps_to_the_bucket_its_time_is_counted_in():
     buckets = {"model.layers.*.mlp", "model.layers.* (self)", "model (self)", "lm_head"}
-    assert bucket_of("model.layers.3.mlp.down_proj", buckets) == "model.layers.*.mlp"
-    assert bucket_of("model.layers.3", buckets) == "model.layers.* (self)"
-    assert bucket_of("model.layers.3.input_layernorm", buckets) == "model.layers.* (self)"
-    assert bucket_of("model.norm", buckets) == "model (self)"
-    assert bucket_of("lm_head", buckets) == "lm_head"
-    assert bucket_of("vision.proj", buckets) is None
+    assert slice_of("model.layers.3.mlp.down_proj", buckets) == "model.layers.*.mlp"
+    assert slice_of("model.layers.3", buckets) == "model.layers.* (self)"
+    assert slice_of("model.layers.3.input_layernorm", buckets) == "model.layers.* (self)"
+    assert slice_of("model.norm", buckets) == "model (self)"
+    assert slice_of("lm_head", buckets) == "lm_head"
+    assert slice_of("vision.proj", buckets) is None
 
 
 def test_each_part_is_set_against_the_longer_of_its_read_and_gemm_times():

@@ -1,11 +1,11 @@
-"""The captured run against the eager reference, part by part (module buckets), with a speedup
+"""The captured run against the eager reference, part by part (module slices), with a speedup
 only where both sides did the same work; every other row says why not."""
 
 from __future__ import annotations
 
 import re
 
-from pipeline.profiler.parts import LAYER_INDEX, MEASURABLE_US, bucket_of, module_buckets, part_of
+from pipeline.profiler.parts import LAYER_INDEX, MEASURABLE_US, module_slices, part_of, slice_of
 from pipeline.profiler.rows import ComparedPart, Phases
 from pipeline.profiler.tree import UNATTRIBUTED
 
@@ -24,19 +24,19 @@ def _rewritten_by(part: str, rewritten: dict[str, str]) -> str:
 
 
 def _fusion_edges(fused: dict[str, set[str]], names: set[str]) -> dict[str, set[str]]:
-    """provenance.fused_modules at bucket level: bucket -> the other buckets whose kernels compute
+    """provenance.fused_modules at slice level: slice -> the other slices whose kernels compute
     some of its work."""
     edges: dict[str, set[str]] = {}
     for source, targets in fused.items():
-        a = bucket_of(source, names)
-        for b in (bucket_of(t, names) for t in targets):
+        a = slice_of(source, names)
+        for b in (slice_of(t, names) for t in targets):
             if a and b and a != b:
                 edges.setdefault(a, set()).add(b)
     return edges
 
 
 def _groups(edges: dict[str, set[str]]) -> dict[str, tuple[str, ...]]:
-    """Bucket -> the buckets joined with it by fusion, transitively (itself included)."""
+    """Slice -> the slices joined with it by fusion, transitively (itself included)."""
     parent: dict[str, str] = {}
 
     def root(name: str) -> str:
@@ -55,7 +55,7 @@ def _groups(edges: dict[str, set[str]]) -> dict[str, tuple[str, ...]]:
 
 
 def _short(name: str) -> str:
-    """A bucket as the note names it: from the decoder layer down (`layers.*.self_attn`)."""
+    """A slice as the note names it: from the decoder layer down (`layers.*.self_attn`)."""
     match = re.search(r"(^|\.)(layers\.\*\..*)$", name)
     return match.group(2) if match else name
 
@@ -69,7 +69,7 @@ def comparison(
     graphs: tuple[str, ...] = (),
     moved: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, list[ComparedPart]]:
-    """Per phase, per module part (module_buckets): device ms per step of the captured run and of the
+    """Per phase, per module part (module_slices): device ms per step of the captured run and of the
     eager reference on the same workload, and the speedup (eager / captured), largest parts first;
     a `total` row last. A speedup is printed only where both sides did the same work; otherwise the
     row says why (`note`):
@@ -90,14 +90,14 @@ def comparison(
     for phase in phases:
         if phase not in captured or phase not in eager:
             continue
-        ours = module_buckets(captured[phase].summary_stats)
-        theirs = module_buckets(eager[phase].summary_stats)
+        ours = module_slices(captured[phase].summary_stats)
+        theirs = module_slices(eager[phase].summary_stats)
         names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
         edges = _fusion_edges(fused or {}, set(names))
-        by: dict[tuple[str, str], str] = {}  # bucket edge -> the graph transforms that made it
+        by: dict[tuple[str, str], str] = {}  # slice edge -> the graph transforms that made it
         for source, targets in (moved or {}).items():
             for target, transforms in targets.items():
-                a, b = bucket_of(source, set(names)), bucket_of(target, set(names))
+                a, b = slice_of(source, set(names)), slice_of(target, set(names))
                 if a and b and a != b:
                     edges.setdefault(a, set()).add(b)
                     by[(a, b)] = transforms

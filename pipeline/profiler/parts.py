@@ -1,4 +1,4 @@
-"""A phase's time in parts: module buckets (disjoint pieces of a module tree), kernel categories,
+"""A phase's time in parts: module slices (disjoint pieces of a module tree), kernel categories,
 and the bounded set of top-level parts (PARTS) every family's modules map to. The analysis the
 comparison, the roofs, the waterfall and the report all count by."""
 
@@ -24,7 +24,7 @@ def _has_layers(node: ProfileNode) -> bool:
     return bool(LAYER.search(node.fqn)) or any(_has_layers(c) for c in _modules_below(node))
 
 
-def module_buckets(
+def module_slices(
     summary: ProfileNode, depth: int | None = None, value: Callable[[ProfileNode], float] | None = None
 ) -> dict[str, float]:
     """Disjoint parts of a phase's device time (us), by summary-tree module.
@@ -35,12 +35,12 @@ def module_buckets(
     With `depth`, the module nodes at that depth below the phase instead (shallower leaves as is).
     value: what is summed per node instead of its device time (one kernel category's time).
     """
-    buckets: dict[str, float] = {}
+    slices: dict[str, float] = {}
     us = value or (lambda node: node.device_time_us)
 
     def add(name: str, us: float) -> None:
         if us > 0:
-            buckets[name] = buckets.get(name, 0.0) + us
+            slices[name] = slices.get(name, 0.0) + us
 
     def visit(node: ProfileNode, level: int) -> None:
         below = _modules_below(node)
@@ -48,7 +48,7 @@ def module_buckets(
             stop = level >= depth or not below
         else:
             stop = not below or (not _has_layers(node) and not LAYER.search(node.fqn))
-            if LAYER.search(node.fqn):  # a layer: its children are the buckets
+            if LAYER.search(node.fqn):  # a layer: its children are the slices
                 for child in below:
                     add(child.fqn or child.name, us(child))
                 add(f"{node.fqn} (self)", us(node) - sum(us(c) for c in below))
@@ -62,7 +62,7 @@ def module_buckets(
             add(f"{node.fqn or node.name} (self)", us(node) - sum(us(c) for c in below))
 
     visit(summary, 0)
-    return buckets
+    return slices
 
 
 def kernel_times(tree: ProfileNode, key: str) -> dict[str, float]:
@@ -97,10 +97,10 @@ _VISION = re.compile(r"vision|visual|image_encoder|patch_embed")
 _PROJECTOR = re.compile(r"projector|multi_modal|mm_proj|connector")
 
 
-def part_of(bucket: str) -> str:
-    """Which of PARTS a module bucket (module_buckets) belongs to: the decoder layers' attention,
+def part_of(slice_: str) -> str:
+    """Which of PARTS a module slice (module_slices) belongs to: the decoder layers' attention,
     MLP (experts included) and norms summed over layers; the rest by what the module is."""
-    name = bucket.removesuffix(" (self)")
+    name = slice_.removesuffix(" (self)")
     leaf = name.rsplit(".", 1)[-1]
     if name.startswith(UNATTRIBUTED):
         return "unattributed"
@@ -116,7 +116,7 @@ def part_of(bucket: str) -> str:
         return "embeddings"
     if "norm" in leaf:
         return "norms"
-    if _IN_LAYER.search(name) and not bucket.endswith(" (self)"):
+    if _IN_LAYER.search(name) and not slice_.endswith(" (self)"):
         if "attn" in leaf or "attention" in leaf:
             return "attention"
         if any(word in leaf for word in ("mlp", "feed_forward", "moe", "expert")):
@@ -127,25 +127,25 @@ def part_of(bucket: str) -> str:
 def part_times(summary: ProfileNode) -> dict[str, float]:
     """A phase's device time (us) per part of PARTS, every part present (0 where none)."""
     times = dict.fromkeys(PARTS, 0.0)
-    for bucket, us in module_buckets(summary).items():
-        times[part_of(bucket)] += us
+    for slice_, us in module_slices(summary).items():
+        times[part_of(slice_)] += us
     return times
 
 
 LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 
 
-def bucket_of(fqn: str, buckets: set[str]) -> str | None:
-    """The module bucket (module_buckets) a module's work is counted in: the deepest bucket at or
-    above it, layer indices as `*`; a container's own work goes to its `(self)` bucket."""
+def slice_of(fqn: str, slices: set[str]) -> str | None:
+    """The module slice (module_slices) a module's work is counted in: the deepest slice at or
+    above it, layer indices as `*`; a container's own work goes to its `(self)` slice."""
     path = LAYER_INDEX.sub(".layers.*.", "." + fqn + ".").strip(".")
-    if path in buckets:
+    if path in slices:
         return path
     while path:
-        if f"{path} (self)" in buckets:
+        if f"{path} (self)" in slices:
             return f"{path} (self)"
         path = path.rsplit(".", 1)[0] if "." in path else ""
-        if path in buckets:
+        if path in slices:
             return path
     return None
 

@@ -1,4 +1,4 @@
-"""Where each part stands against the machine: per module bucket (parts.module_buckets) and
+"""Where each part stands against the machine: per module slice (parts.module_slices) and
 phase, the work its weights do in the profiled step and the least time the machine needs for it,
 from limits measured beside the profiled steps (stages/profile.py): the read limit
 (machine_load.read_limit_gbs) and the GEMM rate at each of the part's own GEMM shapes as the step
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeline.profiler.parts import MEASURABLE_US, bucket_of, module_buckets, part_of
+from pipeline.profiler.parts import MEASURABLE_US, module_slices, part_of, slice_of
 from pipeline.profiler.rows import Phases, RoofRow
 
 GEMM_FLOOR = 64  # smallest side of a measured GEMM
@@ -70,8 +70,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _LEFT_OUT = re.compile(r"norm|^ln_|_ln$|embed")
 
 
-def _counted(bucket: str) -> bool:
-    return not (bucket.endswith(" (self)") or _LEFT_OUT.search(bucket.rsplit(".", 1)[-1]))
+def _counted(slice_: str) -> bool:
+    return not (slice_.endswith(" (self)") or _LEFT_OUT.search(slice_.rsplit(".", 1)[-1]))
 
 
 @dataclass
@@ -86,25 +86,25 @@ class PartWork:
     layers: set[str] = field(default_factory=set)
 
 
-def work(model: nn.Module, buckets: set[str], phase: str, roofs: Roofs) -> dict[str, PartWork]:
-    """Bucket -> its weights' work in the phase's profiled step (a tied weight counts for each
+def work(model: nn.Module, slices: set[str], phase: str, roofs: Roofs) -> dict[str, PartWork]:
+    """Slice -> its weights' work in the phase's profiled step (a tied weight counts for each
     module that uses it: the lm_head reads its table whole)."""
     step = roofs.shape(phase)
     out: dict[str, PartWork] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module = name.rsplit(".", 1)[0] if "." in name else ""
-        bucket = bucket_of(module, buckets)
-        if bucket is None:
+        slice_ = slice_of(module, slices)
+        if slice_ is None:
             continue
-        part = out.setdefault(bucket, PartWork())
+        part = out.setdefault(slice_, PartWork())
         nbytes = param.numel() * param.element_size()
         part.weight_bytes += nbytes
         if (layer := _LAYER.search("." + module + ".")) is not None:
             part.layers.add(layer.group(1))
-        if part_of(bucket) not in COUNTED or not _counted(bucket) or param.dim() < 2:
+        if part_of(slice_) not in COUNTED or not _counted(slice_) or param.dim() < 2:
             part.read_bytes += nbytes  # a bias, or a part whose rate is not counted
             continue
-        m = step.rows if part_of(bucket) == "lm_head" else step.tokens
+        m = step.rows if part_of(slice_) == "lm_head" else step.tokens
         n, k = param.shape[-2], param.shape[-1]
         if param.dim() == 3 and roofs.experts_per_token:  # [E, n, k]: routed experts
             experts = param.shape[0]
@@ -118,8 +118,8 @@ def work(model: nn.Module, buckets: set[str], phase: str, roofs: Roofs) -> dict[
             part.read_bytes += nbytes
             part.flops += 2 * m * n * k * count
             part.gemms.append((m, k, n, count))
-    for bucket, part in out.items():
-        if part_of(bucket) == "attention" and "cross" not in bucket and roofs.kv_token_bytes:
+    for slice_, part in out.items():
+        if part_of(slice_) == "attention" and "cross" not in slice_ and roofs.kv_token_bytes:
             context = step.context
             if roofs.window:
                 context = min(context, roofs.window * step.sequences)
@@ -137,18 +137,18 @@ def gemm_shapes(model: nn.Module, roofs: Roofs) -> dict[str, tuple[int, int, int
     the measured GEMM is larger than any weight)."""
     if "prefill" not in roofs.steps:
         return {}
-    buckets = set()
+    slices = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
         module = name.rsplit(".", 1)[0] if "." in name else ""
-        child = _LAYER_CHILD.match(module)  # a decoder layer's child, as module_buckets has it
-        buckets.add(f"{child.group(1)}.*.{child.group(2)}" if child else module)
+        child = _LAYER_CHILD.match(module)  # a decoder layer's child, as module_slices has it
+        slices.add(f"{child.group(1)}.*.{child.group(2)}" if child else module)
     by_shape = {
         (param.shape[-1], param.shape[-2]): param
         for param in model.parameters()
         if param.dim() >= 2 and min(param.shape[-2:]) >= GEMM_FLOOR
     }
     shapes = {}
-    for part in work(model, buckets, "prefill", roofs).values():
+    for part in work(model, slices, "prefill", roofs).values():
         for m, k, n, _ in part.gemms:
             weight = by_shape.get((k, n))
             weight = weight.detach().reshape(-1, n, k)[0] if weight is not None else None
@@ -185,15 +185,15 @@ def roofline(phases: Phases, model: nn.Module, roofs: Roofs) -> dict[str, list[R
     for phase in ("prefill", "decode"):
         if phase not in phases or phase not in roofs.steps:
             continue
-        times = module_buckets(phases[phase].summary_stats)
+        times = module_slices(phases[phase].summary_stats)
         rows = []
-        for bucket, part in work(model, set(times), phase, roofs).items():
-            us = times.get(bucket, 0.0)
-            if us < MEASURABLE_US or not _counted(bucket) or not part.weight_bytes:
+        for slice_, part in work(model, set(times), phase, roofs).items():
+            us = times.get(slice_, 0.0)
+            if us < MEASURABLE_US or not _counted(slice_) or not part.weight_bytes:
                 continue
             seconds = us * 1e-6
-            row = RoofRow(bucket, us / 1000, part.weight_bytes / 2**20, part.kv_bytes / 2**20)
-            if part.flops and part_of(bucket) in COUNTED:
+            row = RoofRow(slice_, us / 1000, part.weight_bytes / 2**20, part.kv_bytes / 2**20)
+            if part.flops and part_of(slice_) in COUNTED:
                 read_s = part.read_bytes / (roofs.read_gbs * 1e9)
                 gemm_s = _gemm_s(part.gemms, roofs, phase == "decode")
                 roof_s = max(read_s, gemm_s)

@@ -1,9 +1,9 @@
-"""Breakdown tables of a profile, the data behind every plot: time per module bucket, per kernel
+"""Breakdown tables of a profile, the data behind every plot: time per module slice, per kernel
 category and per kernel, for each phase shown (prefill, decode_1, decode = the mean)."""
 
 from __future__ import annotations
 
-from pipeline.profiler.parts import kernel_times, module_buckets
+from pipeline.profiler.parts import kernel_times, module_slices
 from pipeline.profiler.rows import Phases
 
 PHASES = ("prefill", "decode_1", "decode")
@@ -24,10 +24,10 @@ def shown_phases(phases: Phases, wanted: tuple[str, ...] = PHASES) -> list[str]:
 
 
 def level_times(phases: Phases, phase: str, level: str, depth: int | None = None) -> dict[str, float]:
-    """{bucket, category or kernel: device us} of one phase at level `module`, `category` or `kernel`."""
+    """{module slice, category or kernel: device us} of one phase at level `module`, `category` or `kernel`."""
     summary = phases[phase].summary_stats
     if level == "module":
-        return module_buckets(summary, depth)
+        return module_slices(summary, depth)
     if level in ("category", "kernel"):
         return kernel_times(summary, "category" if level == "category" else "name")
     raise ValueError(f"level {level!r}: use module, category or kernel")

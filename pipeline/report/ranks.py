@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.parallel import rank_dir
-from pipeline.profiler.parts import category_pct, kernel_times, module_buckets
+from pipeline.profiler.parts import category_pct, kernel_times, module_slices
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.rows import ProfileNode
 
@@ -49,8 +49,8 @@ def rank_table(profiles: dict[int, ProfileResults | None], phase: str) -> tuple[
     header = [f"{phase}: part"] + [h for rank in present for h in (f"rank {rank} ms", f"rank {rank} comm ms")]
     if not present:
         return header, []
-    times = {rank: module_buckets(e.summary_stats) for rank, e in present.items()}
-    comms = {rank: module_buckets(e.summary_stats, value=_communication_us) for rank, e in present.items()}
+    times = {rank: module_slices(e.summary_stats) for rank, e in present.items()}
+    comms = {rank: module_slices(e.summary_stats, value=_communication_us) for rank, e in present.items()}
     steps = {rank: e.summary_stats for rank, e in present.items()}
     first = next(iter(present))
     parts = sorted(set().union(*times.values()), key=lambda part: -times[first].get(part, 0.0))

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.profiler.parts import kernel_times, module_buckets
+from pipeline.profiler.parts import kernel_times, module_slices
 from pipeline.profiler.results import ProfileResults
 from pipeline.tracking import run_file
 
@@ -58,7 +58,7 @@ def differences(
             )
     summaries = (a.phases[phase].summary_stats, b.phases[phase].summary_stats)
     result = {}
-    for level, times_of in (("module", module_buckets), ("category", lambda s: kernel_times(s, "category"))):
+    for level, times_of in (("module", module_slices), ("category", lambda s: kernel_times(s, "category"))):
         left, right = (times_of(s) for s in summaries)
         rows = [(name, left.get(name, 0.0) / 1000, right.get(name, 0.0) / 1000) for name in {*left, *right}]
         result[level] = sorted(rows, key=lambda r: -abs(r[2] - r[1]))
