@@ -57,7 +57,7 @@ class VisionInput:
 
 @dataclass
 class Segment:
-    """One piece of a graph split for piecewise capture (transforms/split_piecewise.py)."""
+    """One segment of a graph split for piecewise capture (transforms/split_piecewise.py)."""
 
     index: int
     kind: str  # static (captured per token bucket) | layout (runs eagerly) | head (the logits)
@@ -89,7 +89,7 @@ class GraphRecord:
     # per request and keeps them as a KV cache (models/cross_attention.py)
     cross_kv: nn.Module | None = field(default=None, repr=False)
     cross_kv_inputs: list[str] = field(default_factory=list)
-    # backend.piecewise=true: the graph's pieces in order, each node's in its meta (SEGMENT)
+    # backend.piecewise=true: the graph's segments in order, each node's in its meta (SEGMENT)
     segments: list[Segment] = field(default_factory=list)
     # The eager module the graph replaced (its weights are the graph's, or were before a rewrite
     # copied them): what an eager reference profile runs in its place

@@ -107,10 +107,10 @@ def test_decode_step_host_work():
 def _install_runner(engine, name: str, use_graphs: bool) -> cudagraph.CUDAGraphRunner:
     """A CUDA-graph runner with buckets [2, 4] behind the engine's graph, and a cache whose last
     page is the runner's scratch page."""
-    runner = cudagraph.install(engine.runner.graph, engine_runtime(name), [2, 4], use_graphs=use_graphs)
-    cache = engine.runner.cache
-    engine.runner.cache = type(cache)(
-        record_of(engine.runner.graph).cache_specs, runner.scratch_page + 1, cache.page_size, engine.device
+    runner = cudagraph.install(engine.executor.graph, engine_runtime(name), [2, 4], use_graphs=use_graphs)
+    cache = engine.executor.cache
+    engine.executor.cache = type(cache)(
+        record_of(engine.executor.graph).cache_specs, runner.scratch_page + 1, cache.page_size, engine.device
     )
     return runner
 
@@ -127,7 +127,7 @@ def engine_runtime(name):
 def test_torch_compile_keeps_tokens(name):
     """The runtime parity test with the captured graph compiled (Inductor, dynamic shapes)."""
     engine, hf_config = _engine(name)
-    compile_module(engine.runner.graph)
+    compile_module(engine.executor.graph)
     requests = _requests(hf_config, [5, 9, 13], images=zoo.is_vlm(hf_config))
     tokens = engine.generate(requests, 6, SamplingParams(), seed=0).tokens
     assert tokens == _hf_generate(name, requests, 6)
@@ -136,7 +136,7 @@ def test_torch_compile_keeps_tokens(name):
 @pytest.mark.slow
 def test_torch_compile_of_the_whole_eager_model_with_capture_none():
     engine, hf_config = _engine("tiny_llama3_1_8b", capture="none")
-    compile_module(engine.runner.model)
+    compile_module(engine.executor.model)
     requests = _requests(hf_config, [7, 7], images=False)
     tokens = engine.generate(requests, 5, SamplingParams(), seed=0).tokens
     assert tokens == _hf_generate("tiny_llama3_1_8b", requests, 5)

@@ -402,7 +402,7 @@ def test_the_command_line_runs_a_checkpoint_with_chat_and_image_queries(
 def test_piecewise_capture_generates_what_hugging_face_generates(folders, photo, tmp_path):
     """backend=torch-compile backend.piecewise=true on a saved mistral3 folder: text, chat and
     chat-with-image queries in one batch of mixed prompt lengths prefill through the token buckets'
-    pieces, and the tokens are those of Hugging Face's from_pretrained + generate."""
+    segments, and the tokens are those of Hugging Face's from_pretrained + generate."""
     name = "tiny_mistral3"
     overrides = [
         "model=hf", f"model.checkpoint={folders[name]}", f"prompt.queries={hydra_value(_queries(name, photo))}",

@@ -1,5 +1,5 @@
 """Piecewise capture (backend.piecewise=true): the split at the layout ops, the token buckets, the
-padding, the dispatch between the pieces and the full graph, and the bucket table, against Hugging
+padding, the dispatch between the segments and the full graph, and the bucket table, against Hugging
 Face's own generate; the capture itself where a GPU exists."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def _piecewise_engine(name: str, backend: str, tokens: list[int]):
     engine, hf_config = _engine(name)
     history = registry.TransformHistory()
     ctx = transform_context(page_size=PAGE, hf_config=hf_config)
-    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, history)
-    graph = engine.runner.graph
+    registry.run_transforms(engine.executor.model, [SplitPiecewise()], ctx, history)
+    graph = engine.executor.graph
     config = BackendConfig(backend, cuda_graph_batch_sizes=[2, 4], piecewise=True, piecewise_tokens=tokens)
     runners = install.apply(backend, [("lm", graph)], engine_runtime(name), config, on_cuda=False)
     return engine, hf_config, runners["lm (piecewise)"], history
@@ -39,7 +39,7 @@ def test_the_split_is_recorded_and_cuts_at_every_layout_op():
     """Static and layout segments alternate; every attention plan and cached attention is in a
     layout segment, nothing else is; the record says what each holds."""
     engine, _, runner, history = _piecewise_engine("tiny_mistral3", "torch-simple", [16, 64])
-    graph = engine.runner.graph
+    graph = engine.executor.graph
     segments = record_of(graph).segments
     assert [s.kind for s in segments] == ["static", "layout", "static", "layout", "static"]
     for node in graph.graph.nodes:
@@ -58,9 +58,9 @@ def test_the_split_is_recorded_and_cuts_at_every_layout_op():
 
 def test_pieces_compute_the_full_graph_on_a_mixed_step():
     """One step that prefills a chunk of 5 tokens and decodes one token of another sequence, padded
-    to bucket 8: the pieces give the full graph's output on the real tokens."""
+    to bucket 8: the segments give the full graph's output on the real tokens."""
     engine, hf_config, runner, _ = _piecewise_engine("tiny_llama3_1_8b", "torch-simple", [8, 64])
-    cache = engine.runner.cache
+    cache = engine.executor.cache
     for seq, n in ((0, 5), (1, 3)):  # sequence 1 has 3 tokens cached, sequence 0 none
         cache.reserve(seq, n if seq == 0 else n + 1)
     cache.commit(1, 3)
@@ -68,13 +68,13 @@ def test_pieces_compute_the_full_graph_on_a_mixed_step():
     ids = torch.randint(5, 100, (1, 6))
     step = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 3, 4, 3]]), **cache.tensors, **meta}
     before = {name: t.clone() for name, t in cache.tensors.items()}
-    pieces = runner(**step)
+    segmented = runner(**step)
     after = {name: t.clone() for name, t in cache.tensors.items()}
     for name, t in before.items():
         cache.tensors[name].copy_(t)
     full = runner.full_fn(**step)
     assert runner.stats.buckets[8].steps == 1 and runner.stats.buckets[8].tokens == 6
-    torch.testing.assert_close(pieces[0], full[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(segmented[0], full[0], rtol=1e-5, atol=1e-5)
     scratch = runner.scratch_page
     for name, t in cache.tensors.items():  # the padding wrote only into the scratch page
         torch.testing.assert_close(after[name][:, :scratch], t[:, :scratch])
@@ -106,7 +106,7 @@ def test_suggested_buckets_cut_padding_within_the_budget():
     observed = [60, 60, 60, 20, 20, 9]
     buckets = [16, 32, 64]
     # The last bucket always runtime.max_num_tokens (64): a longer step than any seen still runs the
-    # pieces; below it no more buckets than now (2), summing to no more (48)
+    # segments; below it no more buckets than now (2), summing to no more (48)
     suggested, waste = piecewise.suggest(observed, buckets, 64)
     assert suggested == [9, 20, 64] and waste == 3 * 4
     suggested, waste = piecewise.suggest([60], [64], 64)  # one step seen: never [60] alone
@@ -193,10 +193,10 @@ def test_piecewise_capture_on_a_gpu(backend):
     expected = engine.generate(requests, 6, SamplingParams(), seed=0).tokens
     history = registry.TransformHistory()
     ctx = transform_context("cuda", page_size=PAGE, hf_config=hf_config)
-    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, history)
+    registry.run_transforms(engine.executor.model, [SplitPiecewise()], ctx, history)
     config = BackendConfig(backend, piecewise=True, piecewise_tokens=[16, 64])
     runners = install.apply(
-        backend, [("lm", engine.runner.graph)], engine_runtime(name), config, on_cuda=True
+        backend, [("lm", engine.executor.graph)], engine_runtime(name), config, on_cuda=True
     )
     runner = runners["lm (piecewise)"]
     for _ in range(2):
@@ -209,7 +209,7 @@ def test_piecewise_capture_on_a_gpu(backend):
 
 def test_the_profile_sees_inside_the_pieces(tmp_path):
     """With piecewise on, each segment's kernels go to the layers it holds: the layer view stays
-    whole in prefill (the pieces) and decode (the full graph)."""
+    whole in prefill (the segments) and decode (the full graph)."""
     overrides = _pipeline_overrides("tiny_llama3_1_8b", ["profile.enabled=true", "profile.decode_steps=2"])
     with staged(overrides, "profile", run_dir=tmp_path) as state:
         profile = next(r for r in state.stages if r.name == "profile").metrics
@@ -266,12 +266,12 @@ def test_a_whole_model_graph_keeps_its_logits_in_a_head_segment(capture_head, tm
 def test_a_segment_input_that_does_not_follow_the_tokens_is_refused_before_capture():
     """Mllama's cross-attention mask [B, 1, T, N] has the vision states' count N, which changes from
     step to step within one token bucket: a replay would meet another shape mid-run. Installing the
-    pieces for CUDA graphs refuses it at once, naming the input, before any capture (here on CPU:
-    the refusal comes before anything asks for a GPU); uncaptured pieces are left to run."""
+    segments for CUDA graphs refuses it at once, naming the input, before any capture (here on CPU:
+    the refusal comes before anything asks for a GPU); uncaptured segments are left to run."""
     engine, hf_config = _engine("tiny_mllama")
     ctx = transform_context(page_size=PAGE, hf_config=hf_config)
-    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, registry.TransformHistory())
-    graph = engine.runner.graph
+    registry.run_transforms(engine.executor.model, [SplitPiecewise()], ctx, registry.TransformHistory())
+    graph = engine.executor.graph
     options = dict(scratch_page=0, page_size=PAGE, capture_head=False, compile_segment=None, max_tokens=64)
     with pytest.raises(ValueError, match=r"segment_\d's input cross_attention_mask \[.*\] is copied"):
         piecewise.install(graph, [16, 64], use_graphs=True, **options)
@@ -279,8 +279,8 @@ def test_a_segment_input_that_does_not_follow_the_tokens_is_refused_before_captu
     # A graph whose copied inputs all follow the tokens has nothing to refuse
     engine, hf_config = _engine("tiny_mistral3")
     ctx = transform_context(page_size=PAGE, hf_config=hf_config)
-    registry.run_transforms(engine.runner.model, [SplitPiecewise()], ctx, registry.TransformHistory())
-    graph = engine.runner.graph
+    registry.run_transforms(engine.executor.model, [SplitPiecewise()], ctx, registry.TransformHistory())
+    graph = engine.executor.graph
     record = record_of(graph)
     kinds = {f"segment_{s.index}": s.kind for s in record.segments}
     caches = frozenset(spec.input_name for spec in record.cache_specs)

@@ -29,8 +29,8 @@ from pipeline.models.images import IMAGES_FIRST, synthetic_image
 from pipeline.models.processor import processed
 from pipeline.models.zoo import eos_ids
 from pipeline.runtime.engine import DemoLLM
+from pipeline.runtime.executors import EagerExecutor, PagedExecutor
 from pipeline.runtime.requests import Request, build_requests, image_part, sources_of, with_mask_spans
-from pipeline.runtime.runners import EagerRunner, PagedRunner
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.scheduler import Chunk
 from pipeline.transforms import registry
@@ -139,8 +139,10 @@ def test_greedy_tokens_equal_hf_generate(name, lengths):
     requests = _requests(hf_config, lengths, images=zoo.is_vlm(hf_config))
     generation = engine.generate(requests, 8, SamplingParams(), seed=0)
     assert generation.tokens == _hf_generate(name, requests, 8)
-    assert isinstance(engine.runner, PagedRunner)
-    assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages - 1  # all back (but scratch)
+    assert isinstance(engine.executor, PagedExecutor)
+    assert (
+        len(engine.executor.cache.free_pages) == engine.executor.cache.num_pages - 1
+    )  # all back (but scratch)
 
 
 @pytest.mark.parametrize("name", [*TINY_VLMS, *FAMILY_VLMS, "tiny_mllama"])
@@ -155,7 +157,7 @@ def test_vlm_text_only_requests(name):
 def test_capture_none_runs_the_same_loop(name):
     """The eager model in demollm's loop, on a batch where image and text requests mix."""
     engine, hf_config = _engine(name, capture="none")
-    assert isinstance(engine.runner, EagerRunner)
+    assert isinstance(engine.executor, EagerExecutor)
     requests = _requests(hf_config, [9, 9, 9], images=zoo.is_vlm(hf_config))
     assert engine.generate(requests, 6, SamplingParams(), seed=0).tokens == _hf_generate(name, requests, 6)
 
@@ -194,7 +196,7 @@ def test_cross_attention_to_images_generates_what_hf_generate_does(capture, devi
     assert [r.cross_attention_mask is not None for r in requests] == [True, True, True, False, False]
     made = []  # the cross-attention keys and values: made once per image request (and zero states)
     if capture == "partial":
-        record_of(engine.runner.graph).cross_kv.register_forward_hook(lambda *_: made.append(1))
+        record_of(engine.executor.graph).cross_kv.register_forward_hook(lambda *_: made.append(1))
     generation = engine.generate(requests, 6, SamplingParams(), seed=0)
     assert generation.tokens == _hf_generate("tiny_mllama", requests, 6)
     if capture == "none":
@@ -204,8 +206,8 @@ def test_cross_attention_to_images_generates_what_hf_generate_does(capture, devi
             sum(lengths[3:]),
         ]
     else:
-        assert not engine.runner.vision  # each request's keys and values go with it
-        record = record_of(engine.runner.graph)
+        assert not engine.executor.vision  # each request's keys and values go with it
+        record = record_of(engine.executor.graph)
         # layer 0's self-attention has the paged KV cache; layer 1's cross-attention keys and values
         # are graph inputs, made of the states outside the graph, which no longer reads the states
         assert len(record.cache_specs) == 1 and record.cross_kv_inputs == ["cross_key_0", "cross_value_0"]
@@ -240,17 +242,17 @@ def test_cross_attention_image_requests_run_from_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("name", TINY_MODELS + TINY_MOE)
 def test_the_eager_reference_computes_what_hf_generate_does(name):
-    """capture=none's runner, the profile's eager reference: its prefill logits are the first
+    """capture=none's executor, the profile's eager reference: its prefill logits are the first
     scores of Hugging Face's own generate, and its lm_head computes one row per sequence, as
     generate's logits_to_keep=1 has it (a reference computing every prompt row would credit
     capture with lm_head work the captured side never does)."""
     engine, hf_config = _engine(name, capture="none")
     request = _requests(hf_config, [13], images=zoo.is_vlm(hf_config))[0]
     rows = []
-    head = engine.runner.model.get_output_embeddings()
+    head = engine.executor.model.get_output_embeddings()
     handle = head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
     try:
-        logits = engine.runner.prefill([Chunk(request, 0, len(request.prompt))])  # [1, V]
+        logits = engine.executor.prefill([Chunk(request, 0, len(request.prompt))])  # [1, V]
     finally:
         handle.remove()
     assert rows == [1]
@@ -268,19 +270,19 @@ def test_cached_keys_equal_eager_keys():
     that HF's own cache holds for the same prefix."""
     engine, hf_config = _engine("tiny_llama3_1_8b")
     requests = _requests(hf_config, [11, 19], images=False)
-    runner = engine.runner
-    logits = runner.prefill([Chunk(r, 0, len(r.prompt)) for r in requests])
+    executor = engine.executor
+    logits = executor.prefill([Chunk(r, 0, len(r.prompt)) for r in requests])
     tokens = [requests[i].prompt + [int(logits[i].argmax())] for i in range(2)]
     for _ in range(3):
-        logits = runner.decode(requests, torch.tensor([t[-1] for t in tokens]))
+        logits = executor.decode(requests, torch.tensor([t[-1] for t in tokens]))
         for i in range(2):
             tokens[i].append(int(logits[i].argmax()))
     seq = requests[1]
-    length = runner.cache.lengths[seq.seq_id]
+    length = executor.cache.lengths[seq.seq_id]
     assert length == len(seq.prompt) + 3
-    pages = torch.tensor(runner.cache.pages[seq.seq_id])
+    pages = torch.tensor(executor.cache.pages[seq.seq_id])
     positions = torch.arange(length)
-    cache = runner.cache.tensors["kv_cache_0"]  # [2, P, page, Hkv, D]
+    cache = executor.cache.tensors["kv_cache_0"]  # [2, P, page, Hkv, D]
     cached_keys = cache[0, pages[positions // PAGE], positions % PAGE]  # [S, Hkv, D]
 
     from transformers import DynamicCache
@@ -345,13 +347,13 @@ def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture, device):
         assert generation.tokens == expected, lookahead
         assert sum(generation.decode_step_tokens) == sum(len(t) - 1 for t in expected.values())
         if capture == "partial":
-            assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages - 1
+            assert len(engine.executor.cache.free_pages) == engine.executor.cache.num_pages - 1
 
 
 def test_out_of_pages_is_a_clear_error():
     engine, hf_config = _engine("tiny_magistral", overrides=["runtime.kv_cache_mb=1"])
-    engine.runner.cache = PagedKVCache(
-        record_of(engine.runner.graph).cache_specs, 4, PAGE, torch.device("cpu")
+    engine.executor.cache = PagedKVCache(
+        record_of(engine.executor.graph).cache_specs, 4, PAGE, torch.device("cpu")
     )
     with pytest.raises(CacheFull, match="out of pages"):
         engine.generate(_requests(hf_config, [20, 20], images=False), 4, SamplingParams(), seed=0)

@@ -4,7 +4,7 @@ A CUDA graph fixes every shape and address, so the decode runner (cudagraph.py) 
 decode steps, whose shape follows the batch alone. Prefill and mixed steps vary in how their
 tokens split into sequences, which only the layout ops (`attention.LAYOUT_OPS`) care about. So,
 as vLLM and TensorRT-LLM's AutoDeploy do, the graph is cut at those ops (split_piecewise marks
-where, `split` builds the pieces) and:
+where, `split` builds the split graph of its segments) and:
 
 - every step that is not decode-only is padded to the smallest token bucket that holds it; the
   padding is one extra sequence of the missing tokens, nothing cached, its page-table row at the
@@ -193,11 +193,11 @@ class StaticSegment:
 class PiecewiseRunner(nn.Module):
     """Sits behind a cached graph's kwargs adapter (a submodule, so profilers see it): decode-only
     steps and steps past the largest bucket go to `full_fn`; every other step is padded to its
-    bucket and runs `pieces`, the graph's segments with the static ones wrapped in StaticSegment."""
+    bucket and runs `split_graph`, the graph's segments with the static ones wrapped in StaticSegment."""
 
     def __init__(
         self,
-        pieces: fx.GraphModule,
+        split_graph: fx.GraphModule,
         full_fn: Callable[..., Any],
         buckets: list[int],
         scratch_page: int,
@@ -207,7 +207,7 @@ class PiecewiseRunner(nn.Module):
         max_tokens: int,
     ):
         super().__init__()
-        self.pieces, self.full_fn = pieces, full_fn
+        self.split_graph, self.full_fn = split_graph, full_fn
         self.max_tokens = max_tokens  # runtime.max_num_tokens: the suggested set's last bucket
         self.received: list[int] = []  # tokens each static segment of the running step received
         self.kinds: dict[str, str] = {}  # segment module name -> static | layout | head (install)
@@ -224,10 +224,10 @@ class PiecewiseRunner(nn.Module):
 
     def forward(self, **inputs: Any) -> Any:
         rows = first_tensor(inputs).shape[0]
-        if rows != 1:  # a plain batch (the stages' checks): the pieces run as they are, no bucket
+        if rows != 1:  # a plain batch (the stages' checks): the segments run as they are, no bucket
             self.stats.uncaptured[f"a batch of {rows} rows, not one packed row: segments uncaptured"] += 1
             self.bucket = None
-            return self.pieces(**inputs)
+            return self.split_graph(**inputs)
         sequences, tokens = step_shape(inputs)
         if sequences == tokens:
             self.stats.decode_steps += 1
@@ -243,7 +243,7 @@ class PiecewiseRunner(nn.Module):
         reserved = torch.cuda.memory_reserved() if self.use_graphs and first else 0
         timer = self._start()
         self.received = []
-        output = self.pieces(**self._padded(inputs, tokens, bucket))
+        output = self.split_graph(**self._padded(inputs, tokens, bucket))
         self._stop(bucket, use, timer)
         use.padded_tokens += max(self.received, default=0)
         use.segment_calls += len(self.received)
@@ -311,7 +311,7 @@ class PiecewiseRunner(nn.Module):
 
     def report(self) -> dict[str, Any]:
         """What the steps since the last `stats` reset did: per bucket used, its steps, real and
-        padded tokens, the padding share and the mean step time; the steps the pieces did not run
+        padded tokens, the padding share and the mean step time; the steps the segments did not run
         and why; and the bucket set `suggest` finds for the same steps."""
         self.stats.settle()
         stats = self.stats
@@ -372,11 +372,11 @@ def install(
     has now (the decode runner's, or the compiled graph's). compile_segment: what the compiling
     backends do to each static segment (and the head) before it is wrapped."""
     record = record_of(graph)
-    pieces = split(graph)
+    split_graph = split(graph)
     if use_graphs:  # before any capture: a replay reads its inputs at the shapes it was captured at
         kinds = {f"segment_{s.index}": s.kind for s in record.segments}
         if bad := not_per_token(
-            graph, pieces, kinds, frozenset(spec.input_name for spec in record.cache_specs)
+            graph, split_graph, kinds, frozenset(spec.input_name for spec in record.cache_specs)
         ):
             raise ValueError(
                 f"backend.piecewise: {bad[0]} is copied into a segment's captured buffer but its shape "
@@ -384,7 +384,7 @@ def install(
                 "backend.piecewise"
             )
     runner = PiecewiseRunner(
-        pieces,
+        split_graph,
         graph.forward,
         buckets,
         scratch_page,
@@ -395,8 +395,8 @@ def install(
     )
     runner.compiled = compile_segment is not None
     kinds = runner.kinds = {f"segment_{s.index}": s.kind for s in record.segments}
-    produced_by_layout = _layout_values(pieces, kinds)
-    for node in pieces.graph.nodes:
+    produced_by_layout = _layout_values(split_graph, kinds)
+    for node in split_graph.graph.nodes:
         if node.op != "call_module" or kinds[node.target] == "layout":
             continue
         if any(a.op == "placeholder" and a.target in STEP_INPUTS for a in node.all_input_nodes):
@@ -404,7 +404,7 @@ def install(
                 f"{node.target} reads the step's sequence inputs outside a layout op: it cannot be "
                 "replayed per token bucket; run without backend.piecewise"
             )
-        segment = pieces.get_submodule(node.target)
+        segment = split_graph.get_submodule(node.target)
         if compile_segment is not None:
             compile_segment(segment)
         if kinds[node.target] == "head" and not capture_head:
@@ -425,7 +425,7 @@ def install(
 
 
 def not_per_token(
-    graph: fx.GraphModule, pieces: fx.GraphModule, kinds: dict[str, str], caches: frozenset[str]
+    graph: fx.GraphModule, split_graph: fx.GraphModule, kinds: dict[str, str], caches: frozenset[str]
 ) -> list[str]:
     """The inputs a static segment's replay would copy (graph inputs other than the caches, layout
     outputs) whose shapes, as export recorded them, have a size other than the token inputs'
@@ -436,12 +436,14 @@ def not_per_token(
     allowed = {
         str(d) for n in token_inputs if isinstance(v := n.meta.get("val"), torch.Tensor) for d in v.shape
     }
-    produced_by_layout = _layout_values(pieces, kinds)
+    produced_by_layout = _layout_values(split_graph, kinds)
     bad = []
-    for node in pieces.graph.nodes:
+    for node in split_graph.graph.nodes:
         if node.op != "call_module" or kinds[node.target] != "static":
             continue
-        placeholders = [n for n in pieces.get_submodule(node.target).graph.nodes if n.op == "placeholder"]
+        placeholders = [
+            n for n in split_graph.get_submodule(node.target).graph.nodes if n.op == "placeholder"
+        ]
         for arg, placeholder in zip(node.args, placeholders, strict=True):
             copied = arg in produced_by_layout or (arg.op == "placeholder" and arg.target not in caches)
             value = placeholder.meta.get("val")
@@ -456,11 +458,11 @@ def _class_forward(module: fx.GraphModule) -> Callable[..., Any]:
     return lambda *args: type(module).forward(module, *args)
 
 
-def _layout_values(pieces: fx.GraphModule, kinds: dict[str, str]) -> set[fx.Node]:
+def _layout_values(split_graph: fx.GraphModule, kinds: dict[str, str]) -> set[fx.Node]:
     """The top-level values a layout segment returns (its outputs' getitem nodes)."""
     return {
         user
-        for node in pieces.graph.nodes
+        for node in split_graph.graph.nodes
         if node.op == "call_module" and kinds[node.target] == "layout"
         for user in node.users
     }
@@ -468,7 +470,7 @@ def _layout_values(pieces: fx.GraphModule, kinds: dict[str, str]) -> set[fx.Node
 
 def suggest(observed: list[int], buckets: list[int], max_tokens: int) -> tuple[list[int], int]:
     """The bucket set that would have padded the observed steps least, always ending at max_tokens
-    (runtime.max_num_tokens), so a step longer than any seen still runs the pieces, with no more
+    (runtime.max_num_tokens), so a step longer than any seen still runs the segments, with no more
     buckets below it than now below the largest and a sum of those no larger (the pool holds every
     bucket's segment outputs, so it grows with the sum); and the padding it would have wasted.
     Buckets are drawn from the observed sizes (an optimal set never needs others), searched whole

@@ -12,7 +12,7 @@ image) attends all of its sequence's states evenly, with its MLP output zeroed
 
 The captured graph takes the cross-attention keys and values as inputs (insert_cached_attention
 splits out the nodes that make them of the states: `make_kv`). demollm packs several sequences
-into one step [1, T] (runtime/runners.py) and lays the inputs out itself (`packed_inputs`): every
+into one step [1, T] (runtime/executors.py) and lays the inputs out itself (`packed_inputs`): every
 sequence's keys and values, made once per request, side by side behind the zero states', a
 block-diagonal additive mask, and each token's row mask. A sequence without images attends only
 the zero states, whose keys and values are zero (k_proj and v_proj have no bias, and k_norm of zero

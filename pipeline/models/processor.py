@@ -12,7 +12,7 @@ What a processor returns, each output by what the model does with it:
 - pixel tensors (one row per image or tile, or 0-dim): a request's `images`, passed to the forward
   in the step that holds the images, when the forward names them;
 - per-token tensors (`PER_TOKEN`, [1, S] beside the ids): a request's `token_inputs`, which the
-  runtime gives the model at every step (runtime/runners.py, runtime/positions.py);
+  runtime gives the model at every step (runtime/executors.py, runtime/positions.py);
 - `labels` (PaliGemma's processor returns them beside its token types): the loss's targets, which
   no logit depends on, left out of generation with a one-line note;
 - any other per-token output the forward names is refused before load: the captured language

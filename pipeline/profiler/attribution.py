@@ -78,13 +78,13 @@ def _ranges_in(segment: fx.GraphModule, prefix: str) -> Iterator[None]:
         ranges.remove(segment, added)
 
 
-def _instrument_pieces(
+def _instrument_segments(
     runner, prefix: str, backend: str, stack: ExitStack, instrumentation: Instrumentation, variants: bool
 ) -> None:
     """Each segment of a piecewise runner seen as the graph is: static segments through a profiled
     variant of their own (compiling backends; none when `variants` is off) or module ranges, layout
     segments through ranges."""
-    for name, segment in runner.pieces.named_children():
+    for name, segment in runner.split_graph.named_children():
         wrapper = runner.segments.get(name)
         if runner.kinds[name] == "layout" or not spec(backend).compiles:
             stack.enter_context(_ranges_in(segment, prefix))
@@ -156,9 +156,9 @@ def instrumented(
             instrumentation.ranges = stack.enter_context(module_ranges(model))
         for path, graph in find_graphs(model):
             prefix = "" if path == "root" else path
-            pieces = _piecewise(graph)
-            if pieces is not None:
-                _instrument_pieces(pieces, prefix, backend, stack, instrumentation, kernel_provenance)
+            piecewise = _piecewise(graph)
+            if piecewise is not None:
+                _instrument_segments(piecewise, prefix, backend, stack, instrumentation, kernel_provenance)
             if not spec(backend).compiles or not kernel_provenance:
                 continue
             recorder = provenance.ProvenanceRecorder(graph, prefix)
@@ -169,8 +169,8 @@ def instrumented(
             runner = next((r for r in _runners(graph)), None)
             if runner is not None:  # torch-opt: the steps the runner does not replay
                 stack.enter_context(_swapped(runner, "forward_fn", variant))
-            elif pieces is not None:  # torch-compile: the steps the pieces leave to the graph
-                stack.enter_context(_swapped(pieces, "full_fn", variant))
+            elif piecewise is not None:  # torch-compile: the steps the segments leave to the graph
+                stack.enter_context(_swapped(piecewise, "full_fn", variant))
             else:
                 stack.enter_context(_swapped(graph, "forward", variant))
         if spec(backend).replays and on_cuda:

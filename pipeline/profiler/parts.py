@@ -1,4 +1,4 @@
-"""A phase's time in parts: module slices (disjoint pieces of a module tree), kernel categories,
+"""A phase's time in parts: module slices (the disjoint subtrees a module tree is cut into), kernel categories,
 and the bounded set of top-level parts (PARTS) every family's modules map to. The analysis the
 comparison, the roofs, the waterfall and the report all count by."""
 

@@ -1,7 +1,7 @@
 """demollm's engine: requests admitted by the scheduler, prompts prefilled (in chunks when longer
 than the token budget), then one token per running sequence per step, greedy or sampled.
 
-The runners (runners.py) run a step; the scheduler (scheduler.py) decides which prompts a prefill
+The executors (executors.py) run a step; the scheduler (scheduler.py) decides which prompts a prefill
 step takes. A step is a prefill step when the scheduler has chunks for one, else a decode step of
 every running sequence. Each request's queue time, time to first token and time per output token
 are kept beside the step times.
@@ -23,9 +23,9 @@ from pipeline.config import RuntimeConfig
 from pipeline.devices import sync
 from pipeline.graphs import cached_graphs, find_graphs
 from pipeline.models import zoo
+from pipeline.runtime.executors import EagerExecutor, PagedExecutor, engine_span
 from pipeline.runtime.host_memory import retain_freed_memory
 from pipeline.runtime.requests import Request
-from pipeline.runtime.runners import EagerRunner, PagedRunner, engine_span
 from pipeline.runtime.sampling import SamplingParams, sample
 from pipeline.runtime.scheduler import Scheduler
 
@@ -120,10 +120,12 @@ class DemoLLM:
         self.max_batch_size, self.max_num_tokens = runtime.max_batch_size, runtime.max_num_tokens
         text_config = getattr(hf_config, "text_config", None) or hf_config
         if graphs:
-            self.runner: PagedRunner | EagerRunner = PagedRunner(model, graphs[0], hf_config, runtime, device)
+            self.executor: PagedExecutor | EagerExecutor = PagedExecutor(
+                model, graphs[0], hf_config, runtime, device
+            )
         else:
             pad = text_config.pad_token_id if text_config.pad_token_id is not None else 0
-            self.runner = EagerRunner(model, hf_config, pad, device)
+            self.executor = EagerExecutor(model, hf_config, pad, device)
 
     def generate(
         self,
@@ -148,8 +150,8 @@ class DemoLLM:
             requests,
             self.max_batch_size,
             self.max_num_tokens,
-            waves=not self.runner.chunked,
-            wave_key=getattr(self.runner, "wave_key", None),
+            waves=not self.executor.chunked,
+            wave_key=getattr(self.executor, "wave_key", None),
         )
         result = Generation(
             {r.seq_id: [] for r in requests}, requests={r.seq_id: RequestTiming() for r in requests}
@@ -178,7 +180,7 @@ class DemoLLM:
                     timing.finished_s = now
                     # its pages go back to the pool (steps in flight are ordered before any later
                     # step that reuses them) and its slot to the queue
-                    self.runner.release(request)
+                    self.executor.release(request)
                     scheduler.release(seq)
             return kept
 
@@ -189,7 +191,7 @@ class DemoLLM:
                     if chunk.start == 0:
                         result.requests[chunk.request.seq_id].admitted_s = time.perf_counter() - start
                 completing = [c.request for c in chunks if c.completes]
-                logits = self.runner.prefill(chunks)
+                logits = self.executor.prefill(chunks)
                 fed, context = sum(c.end - c.start for c in chunks), sum(c.end for c in chunks)
                 step = self._launch(
                     "prefill", completing, logits, params, generator, next(order), fed, context
@@ -197,7 +199,7 @@ class DemoLLM:
                 for row, request in enumerate(completing):
                     launched[request.seq_id], latest[request.seq_id] = 1, (step, row)
             elif batch := self._decoding(latest, launched, finished, max_new_tokens):
-                logits = self.runner.decode(batch, _ids(batch, latest))
+                logits = self.executor.decode(batch, _ids(batch, latest))
                 context = sum(len(r.prompt) + launched[r.seq_id] for r in batch)
                 step = self._launch(
                     "decode", batch, logits, params, generator, next(order), len(batch), context

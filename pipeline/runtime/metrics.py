@@ -12,9 +12,9 @@ from torch import nn
 from pipeline.backends import piecewise
 from pipeline.backends.cudagraph import CUDAGraphRunner
 from pipeline.runtime.engine import DemoLLM, Generation
+from pipeline.runtime.executors import PagedExecutor
 from pipeline.runtime.machine_load import quantile
 from pipeline.runtime.requests import Request
-from pipeline.runtime.runners import PagedRunner
 
 
 def generation_metrics(runs: list[Generation], decode_bytes: int, lookahead: int) -> dict[str, float]:
@@ -78,7 +78,7 @@ def generation_notes(
     engine: DemoLLM, requests: list[Request], metrics: dict[str, float], timed_runs: int, warmed_up: bool
 ) -> list[str]:
     return [
-        f"{type(engine.runner).__name__}: {len(requests)} requests, prompts of "
+        f"{type(engine.executor).__name__}: {len(requests)} requests, prompts of "
         f"{sorted({len(r.prompt) for r in requests})} tokens, {metrics['generation/tokens']} tokens generated",
         f"prefill {metrics['latency/prefill_ms']:.1f} ms; decode {metrics['latency/decode_ms']:.2f} ms/step "
         f"(p10 {metrics['latency/decode_p10_ms']:.2f}, p90 {metrics['latency/decode_p90_ms']:.2f}), "
@@ -118,8 +118,8 @@ def resource_metrics(
             metrics.get("memory/cuda_graph_buffers_mb", 0.0) + runner.buffer_bytes() / 2**20
         )
         notes += piece_notes
-    if isinstance(engine.runner, PagedRunner):
-        cache = engine.runner.cache
+    if isinstance(engine.executor, PagedExecutor):
+        cache = engine.executor.cache
         metrics["memory/kv_cache_mb"] = cache.bytes / 2**20
         notes.append(
             f"KV cache: {cache.num_pages} pages of {cache.page_size} tokens, {cache.bytes / 2**20:.1f} MiB"

@@ -67,7 +67,7 @@ def _profiled(state: RunState, engine: DemoLLM, trace_dir, backend: str) -> sess
     eos, engine.eos_ids = engine.eos_ids, set()  # every window exists: no early stop
     try:
         return session.profile_steps(
-            engine.runner.model,
+            engine.executor.model,
             generate,
             cfg.profile.decode_steps,
             trace_dir,
@@ -122,7 +122,7 @@ def _trace_dir(state: RunState):
 
 
 # What the reference is: the model as Hugging Face built it, run as its `generate` runs it (its
-# attention and cache, logits_to_keep=1: runtime/runners.EagerRunner)
+# attention and cache, logits_to_keep=1: runtime/executors.EagerExecutor)
 REFERENCE = "Hugging Face generate, eager"
 
 

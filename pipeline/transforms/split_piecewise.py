@@ -7,7 +7,7 @@ the others; `static` segments hold everything between them, captured or compiled
 bucket; a `head` segment holds the logits (the first node after the last layout op that reads a
 vocabulary-sized weight, and all after it), captured only with backend.piecewise_capture_lm_head.
 The graph itself is not restructured: numerics, the profiler's ranges and the eager reference keep
-reading one flat graph, and the backend builds the pieces from the marks (backends/piecewise.py).
+reading one flat graph, and the backend builds the segments from the marks (backends/piecewise.py).
 
 Segments follow node order, so each reads only graph inputs and earlier segments' values, and a
 layout op's multiple outputs (getitem) stay with it. Consecutive layout ops share a segment.

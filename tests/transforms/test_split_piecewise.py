@@ -1,6 +1,6 @@
 """split_piecewise: a cached graph is marked, not restructured, into static segments and the layout
 segments between them (the attention plan and each cached attention: what depends on the step's
-sequence layout); the graph still computes what Hugging Face's model does. The pieces running
+sequence layout); the graph still computes what Hugging Face's model does. The segments running
 per token bucket are tests/test_piecewise.py's."""
 
 from __future__ import annotations

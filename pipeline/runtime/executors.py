@@ -1,7 +1,7 @@
-"""How one step runs the model: two runners behind one interface (`prefill(chunks)`, `decode(requests,
+"""How one step runs the model: two executors behind one interface (`prefill(chunks)`, `decode(requests,
 ids)`, `release(request)`), each returning the logits of the rows that sample a token.
 
-- `PagedRunner` for a model whose captured graph has cached attention (insert_cached_attention):
+- `PagedExecutor` for a model whose captured graph has cached attention (insert_cached_attention):
   every step packs the new tokens of its sequences into one row [1, T] (prefill chunks of any
   length, or one token per sequence in decode), with explicit position ids, and binds the paged
   KV cache and the step's sequence metadata to the graph's inputs (and, for a family whose prompt
@@ -9,7 +9,7 @@ ids)`, `release(request)`), each returning the logits of the rows that sample a 
   cross-attends vision states, each request's cross-attention keys and values, made in its first
   step, with the step's block-diagonal mask: models/cross_attention.py). The eager parts (vision
   tower, image merging, lm_head) run as HF wrote them.
-- `EagerRunner` for `capture=none`: the HF model with its own attention and DynamicCache, a wave
+- `EagerExecutor` for `capture=none`: the HF model with its own attention and DynamicCache, a wave
   of whole prompts left-padded, so the eager baseline runs through the same loop and timers; the
   prefill gets the token_type_ids (or cross-attention mask) the family's processor would give, so
   HF builds the same mask.
@@ -64,7 +64,7 @@ def _first_with_images(chunks: list[Chunk]) -> list[Chunk]:
     return [c for c in chunks if c.start == 0 and c.request.images]
 
 
-class PagedRunner:
+class PagedExecutor:
     chunked = True  # a prompt may be prefilled over several steps
 
     def __init__(self, model: nn.Module, graph: fx.GraphModule, hf_config, runtime: RuntimeConfig, device):
@@ -220,7 +220,7 @@ def _image_count(request: Request) -> int:
     return 0 if mask is None else int(mask.shape[1])
 
 
-class EagerRunner:
+class EagerExecutor:
     """What Hugging Face's `generate` runs: HF's own cache and attention, a wave of whole prompts
     left-padded to the longest, as generate pads, and `logits_to_keep=1` where the model's forward
     takes it (generate's own rule, `_supports_logits_to_keep`), so the lm_head computes one row per
