@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     run_pipeline,
     staged,
 )
+from torch import nn
 from torch._C._autograd import DeviceType
 from torch._C._profiler import _EventType
 
@@ -118,6 +120,86 @@ def test_gpu_window_tree_places_kernels_at_their_launch():
     assert runner.device_time_us == pytest.approx(10.0)
     assert {c.category for c in runner.children.values()} == {"gemm", "norm"}
     assert root.children[("unattributed",)].device_time_us == pytest.approx(0.5)
+
+
+def test_busy_time_and_gaps_per_call_on_cpu():
+    """Each call's span runs from its first op to its last; busy is the union of its ops (nested
+    mm inside linear once); the gaps are the rest. A call counts the ops it dispatched itself."""
+    root = tree.model_tree(_cpu_window(), "decode_1", CATEGORIES)
+    model = root.children[("module", "")]
+    layer = model.children[("module", "layers.0")]
+    assert (layer.span_us, layer.busy_us, layer.gap_us, layer.launches) == pytest.approx((0.040, 0.040, 0, 1))
+    # linear 110-150, add 210-260, mul 310-330: 220 ns from first to last, 110 of them busy
+    assert (model.span_us, model.busy_us, model.gap_us, model.launches) == pytest.approx(
+        (0.220, 0.110, 0.110, 3)
+    )
+    assert (root.span_us, root.busy_us, root.launches) == pytest.approx((0.310, 0.150, 4))  # cat at 20-60 too
+    outside = root.children[("unattributed",)]
+    assert (outside.busy_us, outside.gap_us) == pytest.approx((0.040, 0))
+    summary = tree.summary_tree(root)
+    layers = summary.children[("module", "")].children[("module", "layers.*")]
+    assert (layers.span_us, layers.busy_us, layers.launches) == pytest.approx((0.090, 0.090, 2))
+    mean = tree.mean_tree([root, tree.model_tree(_cpu_window(), "decode_2", CATEGORIES)], "decode")
+    assert (mean.span_us, mean.busy_us, mean.launches) == pytest.approx((0.310, 0.150, 4))
+
+
+def test_gaps_between_kernels_on_the_device_clock():
+    """On a GPU the busy time and gaps are the kernels' own intervals on the device, wherever
+    their launches sat; a replay's kernels count for the modules their stack names, once per replay."""
+    stack = (("lm.layers.0", "Layer"), ("lm.layers.0.mlp", "MLP"))
+    window = Window(
+        modules=[
+            ModuleSpan("lm", "GraphModule", [], 100, 500),
+            ModuleSpan("lm.runner", "Runner", [], 110, 490),
+        ],
+        ops=[_op("cudaGraphLaunch", 120, 130)],
+        device=[
+            DeviceEvent("gemm_kernel", 1000, 150, None, start_ns=10_000, correlation=5, stack=stack),
+            DeviceEvent("act_kernel", 500, 150, None, start_ns=14_000, correlation=5, stack=stack),
+            DeviceEvent("gemm_kernel", 1000, 150, None, start_ns=20_000, correlation=6, stack=stack),
+        ],
+        on_device=True,
+    )
+    root = tree.model_tree(window, "decode_1", CATEGORIES)
+    runner = root.children[("module", "lm")].children[("module", "lm.runner")]
+    assert (runner.span_us, runner.busy_us, runner.gap_us, runner.launches) == pytest.approx(
+        (11.0, 2.5, 8.5, 3)
+    )
+    mlp = runner.children[("module", "lm.layers.0")].children[("module", "lm.layers.0.mlp")]
+    # two replays: 10.0-11.0 and 14.0-14.5 in one (4.5 us span), 20.0-21.0 in the other
+    assert (mlp.span_us, mlp.busy_us, mlp.launches) == pytest.approx((5.5, 2.5, 3))
+
+
+class _Pausing(nn.Module):
+    """Two linear calls with a host pause between them."""
+
+    def __init__(self, pause_s: float):
+        super().__init__()
+        self.proj, self.pause_s = nn.Linear(32, 32), pause_s
+
+    def forward(self, x):
+        x = self.proj(x)
+        if self.pause_s:
+            time.sleep(self.pause_s)
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("pause_s", [0.02, 0.0])
+def test_a_host_pause_between_ops_is_found_as_a_gap(pause_s):
+    """Profiled for real: the sleep put between a module's ops is its gap; with no sleep, the
+    gap is only the dispatch between two calls, far below it. On CPU busy time is device time."""
+    model = _Pausing(pause_s)
+    x = torch.randn(4, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        model(x)
+    window = events.read_window(prof, {id(m): name for name, m in model.named_modules()})
+    node = tree.model_tree(window, "prefill", CATEGORIES).children[("module", "")]
+    assert node.busy_us == pytest.approx(node.device_time_us, rel=0.01)
+    assert node.busy_us + node.gap_us == pytest.approx(node.span_us)
+    if pause_s:
+        assert node.gap_us >= pause_s * 1e6
+    else:
+        assert node.gap_us < 0.005 * 1e6  # a few ms at most even on a slow host: no pause there
 
 
 class _Event(SimpleNamespace):

@@ -12,7 +12,8 @@ profile.json (schema below, versioned):
     time by how it was attributed: module_range, inductor_provenance, cudagraph_sequence,
     unattributed), summary_stats and model_stats: trees of ProfileNode
       {name, kind, fqn, cls, params, shapes, trace, category, depth, cpu_time_us, device_time_us,
-       pct, invocations, attribution, children}
+       pct, invocations, attribution, span_us, busy_us, gap_us, launches, children}
+      (span/busy/gap/launches: profiler/tree.py; read as 0 where absent)
   reference (profile.reference=eager): {what, phases}: the eager model's phases on the same workload
   fused: {module: [modules whose kernels Inductor fused with its work]}
   comparison: {prefill, decode: [ComparedPart {part, captured_ms, eager_ms, speedup, note}]}
@@ -35,7 +36,8 @@ SCHEMA_VERSION = 2
 READABLE = (1, 2)  # version 1 lacks attribution, statistic and the eager reference
 CSV_COLUMNS = [
     "phase", "id", "parent_id", "depth", "kind", "name", "fqn", "cls", "category",
-    "cpu_time_us", "device_time_us", "pct", "invocations", "attribution", "shapes", "trace",
+    "cpu_time_us", "device_time_us", "pct", "invocations", "attribution", "span_us", "busy_us", "gap_us",
+    "launches", "shapes", "trace",
 ]  # fmt: skip
 
 

@@ -27,6 +27,13 @@ class ProfileNode:
     pct: float = 0.0
     invocations: int = 0
     attribution: str = ""  # modules: how their time was found
+    # Per call summed (tree.py): first start to last end of its work, the union of its ops' (GPU:
+    # kernels') intervals, the rest (host time between ops; idle device between kernels), and
+    # the ops or kernels it launched
+    span_us: float = 0.0
+    busy_us: float = 0.0
+    gap_us: float = 0.0
+    launches: int = 0
     children: list[ProfileNode] = field(default_factory=list)
 
     @classmethod
@@ -46,6 +53,10 @@ class ProfileNode:
             pct=round(node.pct, 3),
             invocations=node.invocations,
             attribution=node.attribution if node.kind == "module" else "",
+            span_us=round(node.span_us, 3),
+            busy_us=round(node.busy_us, 3),
+            gap_us=round(node.gap_us, 3),
+            launches=round(node.launches),
             children=[cls.of(c, depth + 1) for c in node.children.values()],
         )
 
@@ -108,6 +119,18 @@ class PhaseStats:
             step_ms_median=saved.get("step_ms_median"),
             mean_of=saved.get("mean_of", []),
         )
+
+    @property
+    def gap_pct(self) -> float:
+        """The step's gaps as a share (%) of its span: host time between ops on CPU, the device
+        idle between kernels on a GPU."""
+        root = self.model_stats
+        return 100 * root.gap_us / root.span_us if root.span_us else 0.0
+
+    @property
+    def gap_bound(self) -> bool:
+        """Gaps over half the step's span: the step waits on launches more than it works."""
+        return self.gap_pct > 50
 
     def to_dict(self) -> dict:
         saved = asdict(self)

@@ -11,7 +11,16 @@ Times, in microseconds:
 - device_time_us: kernel time on a GPU; on CPU, the self time of the ops (so nested ops are not
   counted twice). A module's device time is its own ops' and its submodules'; its kernel leaves
   break its own part down, so children never sum to more than the parent.
-Everything outside any module (the engine's own tensors, sampling) is kept under `(unattributed)`.
+- span_us / busy_us / gap_us / launches: each call of a module, from the start of its first op (on
+  a GPU: kernel) to the end of its last (span), the union of those ops' intervals (busy: nested and
+  overlapping ones counted once) and the rest (gap = span - busy: host time between ops on CPU,
+  idle device time between kernels on a GPU, which is what CUDA graphs remove); launches counts the
+  ops it dispatched (outermost ones: an op's own calls are inside it) or the kernels it ran. Summed
+  over calls. On a GPU the times are on the device's clock; a CUDA-graph replay's kernels count
+  for the modules they were attributed to, one call per replay. A container's gap includes the
+  time between its children's work; the phase's, the time between its top-level modules too.
+Everything outside any module (the engine's own tensors, sampling) is kept under `(unattributed)`;
+its busy time is its ops', with no span of its own (its ops are scattered over the step).
 """
 
 from __future__ import annotations
@@ -44,6 +53,13 @@ class Node:
     children: dict[tuple, Node] = field(default_factory=dict)
     direct_us: float = 0.0  # device time of this module's own ops (its kernel leaves break it down)
     attribution: str = ""  # modules: how their time was found (events.ModuleSpan.attribution)
+    span_us: float = 0.0
+    busy_us: float = 0.0
+    launches: float = 0.0  # a float while windows are averaged (mean_tree rounds it)
+
+    @property
+    def gap_us(self) -> float:
+        return self.span_us - self.busy_us
 
     def child(self, key: tuple, make: Callable[[], Node]) -> Node:
         if key not in self.children:
@@ -63,11 +79,11 @@ def _kernel_leaf(owner: Node, name: str, shapes: list[list[int]], trace: list[st
     )
 
 
-def _under(owner: Node, stack: tuple[tuple[str, str], ...], attribution: str) -> Node:
-    """The module node of a kernel whose module is known by its stack, below the span open at its
-    launch (the CUDA-graph runner, a graph module): entries that are that span or above it are
-    skipped, the rest nested under it."""
-    node = owner
+def _under(owner: Node, stack: tuple[tuple[str, str], ...], attribution: str) -> list[Node]:
+    """The module nodes, outermost first, of a kernel whose module is known by its stack, below the
+    span open at its launch (the CUDA-graph runner, a graph module): entries that are that span or
+    above it are skipped, the rest nested under it."""
+    node, chain = owner, []
     for fqn, cls in stack:
         if owner.fqn == fqn or owner.fqn.startswith(fqn + "."):
             continue
@@ -76,7 +92,38 @@ def _under(owner: Node, stack: tuple[tuple[str, str], ...], attribution: str) ->
             lambda fqn=fqn, cls=cls: Node(_short(fqn) or cls, "module", fqn, cls, attribution=attribution),
         )
         node.invocations = max(node.invocations, 1)
-    return node
+        chain.append(node)
+    return chain
+
+
+@dataclass
+class _Call:
+    """One call of a module (or the whole step): the intervals of the work it ran, in ns."""
+
+    node: Node
+    start_ns: int  # the call's own start: an op whose caller started before it was dispatched here
+    intervals: list[tuple[int, int]] = field(default_factory=list)
+    launches: int = 0
+
+    def add(self, start_ns: int, end_ns: int, launched: bool) -> None:
+        self.intervals.append((start_ns, end_ns))
+        self.launches += launched
+
+    def close(self) -> None:
+        """Adds this call's span, busy time and launches to its node."""
+        if not self.intervals:
+            return
+        self.intervals.sort()
+        busy, (run_start, run_end) = 0, self.intervals[0]
+        for start, end in self.intervals[1:]:
+            if start > run_end:
+                busy, run_start = busy + run_end - run_start, start
+            run_end = max(run_end, end)
+        busy += run_end - run_start
+        span = max(end for _, end in self.intervals) - self.intervals[0][0]
+        self.node.busy_us += busy / 1000
+        self.node.span_us += (span if self.node.kind != "unattributed" else busy) / 1000
+        self.node.launches += self.launches
 
 
 def _total(node: Node) -> float:
@@ -102,7 +149,10 @@ def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> 
     items += [(o.start_ns, 1, i) for i, o in enumerate(window.ops)]
     items += [(d.anchor_ns, 2, i) for i, d in enumerate(window.device)]
     items.sort(key=lambda t: (t[0], t[1], -window.modules[t[2]].end_ns if t[1] == 0 else 0))
-    stack: list[tuple[int, Node]] = []  # (end_ns, node) of the open spans
+    stack: list[tuple[int, Node, _Call]] = []  # (end_ns, node, call) of the open spans
+    step, outside = _Call(root, 0), _Call(unattributed, 0)
+    calls = [step, outside]
+    replayed: dict[tuple[int, int], _Call] = {}  # (module node, replay) -> that call
     for time_ns, kind, index in items:
         while stack and stack[-1][0] <= time_ns:
             stack.pop()
@@ -123,15 +173,19 @@ def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> 
             )
             node.cpu_time_us += (span.end_ns - span.start_ns) / 1000
             node.invocations += 1
-            stack.append((span.end_ns, node))
+            calls.append(_Call(node, span.start_ns))
+            stack.append((span.end_ns, node, calls[-1]))
             continue
         target = owner or unattributed
+        open_calls = [step] + [call for _, _, call in stack] if stack else [step, outside]
         if kind == 1:
             op = window.ops[index]
             if target is unattributed and op.parent is None:
                 unattributed.cpu_time_us += (op.end_ns - op.start_ns) / 1000
             if window.on_device:
                 continue  # on a GPU, device time is kernel time
+            for call in open_calls:
+                call.add(op.start_ns, op.end_ns, op.parent is None or op.parent.start_ns < call.start_ns)
             # On CPU an op's self time is its kernel: every op is a leaf for the time it spends
             # outside the ops it calls (aten::mm's GEMM, not aten::linear's dispatch).
             self_us = op.self_ns / 1000
@@ -144,12 +198,21 @@ def model_tree(window: Window, phase: str, categorize: Callable[[str], str]) -> 
             event = window.device[index]
             trace = event.op.trace() if event.op else []
             shapes = event.op.shapes if event.op else []
-            if event.stack:
-                target = _under(target, event.stack, event.attribution)
+            replay = []
+            if event.stack and (chain := _under(target, event.stack, event.attribution)):
+                target = chain[-1]
+                replay = [
+                    replayed.setdefault((id(node), event.correlation), _Call(node, event.anchor_ns))
+                    for node in chain
+                ]
+            for call in open_calls + replay:
+                call.add(event.start_ns, event.start_ns + event.duration_ns, True)
             leaf = _kernel_leaf(target, event.name, shapes, trace, categorize(event.name))
             leaf.device_time_us += event.duration_ns / 1000
             leaf.invocations += 1
             target.direct_us += event.duration_ns / 1000
+    for call in calls + list(replayed.values()):
+        call.close()
     if unattributed.direct_us or unattributed.children or unattributed.cpu_time_us:
         unattributed.invocations = 1
         root.children[("unattributed",)] = unattributed
@@ -175,6 +238,9 @@ def _merge_into(
     target.cpu_time_us += node.cpu_time_us * scale
     target.device_time_us += node.device_time_us * scale
     target.direct_us += node.direct_us * scale
+    target.span_us += node.span_us * scale
+    target.busy_us += node.busy_us * scale
+    target.launches += node.launches * scale
     target.invocations += node.invocations
     for c in node.children.values():
         key = key_of(c)
@@ -224,6 +290,7 @@ def mean_tree(trees: list[Node], phase: str) -> Node:
         _merge_into(root, tree, _instance_key, str, 1 / len(trees))
     for node in root.walk():
         node.invocations = round(node.invocations / len(trees))
+        node.launches = round(node.launches)
     _percent(root)
     return root
 
