@@ -400,6 +400,12 @@ def _modules(node: dict, kind: str = "module") -> set[str]:
     return found
 
 
+def _nodes(node: dict):
+    yield node
+    for child in node["children"]:
+        yield from _nodes(child)
+
+
 def _writes(source: str, name: str) -> bool:
     """Whether Python source writes a file called `name`: straight from the path, or through a
     variable holding it."""
@@ -474,6 +480,23 @@ def test_profile_of_the_graph_matches_eager(tmp_path, tracking_uri, capsys):
     _, runs = mlflow_runs(tracking_uri)
     metrics = next(r for r in runs if r.data.tags["capture"] == "partial").data.metrics
     assert metrics["profile/windows"] == 3 and metrics["profile/overhead_ratio"] > 0
+    # Every module's calls split into busy time and gaps, on the run and on its eager reference,
+    # and each part's gaps charted on both sides
+    for phases in (graph["phases"], graph["reference"]["phases"]):
+        for phase in phases.values():
+            for node in _nodes(phase["summary_stats"]):
+                if node["kind"] == "module" and node["device_time_us"] > 0:
+                    assert node["launches"] >= 1 and node["span_us"] >= node["busy_us"] > 0, node["fqn"]
+                    assert node["busy_us"] + node["gap_us"] == pytest.approx(
+                        node["span_us"], rel=0.01, abs=2e-3
+                    )
+    for side in ("", "_eager"):
+        assert (
+            metrics[f"layers/decode{side}/attention_gap_ms"] > 0
+            and f"profile/prefill{side}_gap_pct" in metrics
+        )
+    rows = {r["part"]: r for r in graph["comparison"]["decode"]}
+    assert rows["total"]["eager_gap_ms"] > 0 and rows["total"]["captured_gap_ms"] > 0
     for name, phase in graph["phases"].items():
         stats = phase["model_stats"]
         assert attributed_kernel_pct(stats) > 98 and layer_kernel_pct(stats) > 85, name

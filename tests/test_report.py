@@ -241,7 +241,7 @@ def test_a_ratio_is_taken_only_of_two_measurable_times():
     table = comparison_table(list(rows.values()), "decode")
     assert "captured vs Hugging Face generate (eager)" in table
     norm_line = next(line for line in table.splitlines() if line.startswith("norm "))
-    assert norm_line.split()[3] == "-" and "no time on the captured side" in norm_line
+    assert norm_line.split()[5] == "-" and "no time on the captured side" in norm_line
 
 
 @pytest.mark.parametrize(
@@ -336,6 +336,47 @@ def test_parts_inductor_fused_get_one_ratio_over_the_group():
     assert by_part[f"{lm}.embed_tokens"].speedup == 2.0
     assert by_part[f"{lm} (self)"].speedup is None
     assert rows[-1].part == "total"
+
+
+def _timed(fqn, kind, us, gap, children=()):
+    """A node whose work took `us`, all busy, with `gap` us between it."""
+    node = _node(fqn, kind, us, children)
+    node.busy_us, node.gap_us, node.span_us = us, gap, us + gap
+    return node
+
+
+def test_each_parts_gain_splits_into_busy_time_saved_and_gaps_removed():
+    """Per part and for the step: each side's gaps, and how much of the difference is faster work
+    and how much is less time between it; a container's own row holds the gaps between its
+    children."""
+
+    def side(attn, attn_gap, mlp, mlp_gap, layer_gap, step_gap):
+        layer = _timed("lm.layers.*", "module", attn + mlp, layer_gap,
+                       [_timed("lm.layers.*.self_attn", "module", attn, attn_gap),
+                        _timed("lm.layers.*.mlp", "module", mlp, mlp_gap)])  # fmt: skip
+        return _stats(
+            _timed(
+                "", "phase", attn + mlp, step_gap, [_timed("lm", "module", attn + mlp, layer_gap, [layer])]
+            )
+        )
+
+    captured, eager = (
+        side(300.0, 20.0, 200.0, 10.0, 40.0, 50.0),
+        side(400.0, 200.0, 200.0, 100.0, 500.0, 600.0),
+    )
+    rows = {
+        r.part: r for r in comparison({"decode": captured}, {"decode": eager}, phases=("decode",))["decode"]
+    }
+    attention = rows["lm.layers.*.self_attn"]
+    assert (attention.captured_gap_ms, attention.eager_gap_ms) == pytest.approx((0.02, 0.2))
+    assert (attention.busy_saved_ms, attention.gaps_removed_ms) == pytest.approx((0.1, 0.18))
+    assert rows["lm.layers.*.mlp"].busy_saved_ms == pytest.approx(0.0)
+    between = rows["lm.layers.* (self)"]  # 500 - 200 - 100 us between the eager layer's children
+    assert (between.eager_gap_ms, between.captured_gap_ms) == pytest.approx((0.2, 0.01))
+    total = rows["total"]
+    assert (total.busy_saved_ms, total.gaps_removed_ms) == pytest.approx((0.1, 0.55))
+    table = comparison_table(list(rows.values()), "decode")
+    assert "gaps removed" in table and "0.180" in table
 
 
 def test_a_module_maps_to_the_bucket_its_time_is_counted_in():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from pipeline.profiler.parts import LAYER_INDEX, MEASURABLE_US, module_slices, part_of, slice_of
-from pipeline.profiler.rows import ComparedPart, Phases
+from pipeline.profiler.parts import LAYER_INDEX, MEASURABLE_US, SliceTimes, part_of, slice_of
+from pipeline.profiler.rows import ComparedPart, Phases, PhaseStats
 from pipeline.profiler.tree import UNATTRIBUTED
 
 
@@ -90,9 +90,17 @@ def comparison(
     for phase in phases:
         if phase not in captured or phase not in eager:
             continue
-        ours = module_slices(captured[phase].summary_stats)
-        theirs = module_slices(eager[phase].summary_stats)
-        names = sorted(set(ours) | set(theirs), key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)))
+        ours_times, theirs_times = (
+            SliceTimes.of(captured[phase].summary_stats),
+            SliceTimes.of(eager[phase].summary_stats),
+        )
+        ours, theirs = ours_times.device, theirs_times.device
+        # every slice with time or gaps on either side: a container's gaps between its children
+        # are a row even where it does no work of its own
+        names = sorted(
+            set().union(*(times for side in (ours_times, theirs_times) for times in vars(side).values())),
+            key=lambda n: -(ours.get(n, 0.0) + theirs.get(n, 0.0)),
+        )
         edges = _fusion_edges(fused or {}, set(names))
         by: dict[tuple[str, str], str] = {}  # slice edge -> the graph transforms that made it
         for source, targets in (moved or {}).items():
@@ -113,7 +121,7 @@ def comparison(
         rows: list[ComparedPart] = []
         grouped: dict[tuple[str, ...], list[str]] = {}
         for name in names:
-            row = compared_part(name, ours.get(name, 0.0), theirs.get(name, 0.0))
+            row = compared_part(name, *_sides(ours_times.of_slices([name]), theirs_times.of_slices([name])))
             if transforms := _rewritten_by(name, rewritten or {}):
                 _unmeasured(row, f"rewritten by {transforms}")
             elif name in groups:
@@ -145,20 +153,37 @@ def comparison(
             largest = _short(max(members, key=lambda n: theirs.get(n, 0.0)))
             group = compared_part(
                 f"fused: {largest} + {len(members) - 1} more",
-                sum(ours.get(n, 0.0) for n in members),
-                sum(theirs.get(n, 0.0) for n in members),
+                *_sides(ours_times.of_slices(members), theirs_times.of_slices(members)),
             )
             group.note = (
                 "the parts fused together (Inductor's kernels, a transform's nodes), summed on both sides"
             )
             rows.append(group)
-        rows.sort(key=lambda r: -(r.captured_ms + r.eager_ms))
-        rows.append(compared_part("total", captured[phase].device_time_us, eager[phase].device_time_us))
+        rows.sort(key=lambda r: -(r.captured_ms + r.eager_ms + r.captured_gap_ms + r.eager_gap_ms))
+        rows.append(compared_part("total", *_sides(_step_times(captured[phase]), _step_times(eager[phase]))))
         out[phase] = rows
     return out
 
 
-def compared_part(part: str, captured_us: float, eager_us: float) -> ComparedPart:
+def _step_times(phase: PhaseStats) -> tuple[float, float, float]:
+    """(device, busy, gap) us of the whole step."""
+    root = phase.model_stats
+    return phase.device_time_us, root.busy_us, root.gap_us
+
+
+def _sides(captured: tuple[float, float, float], eager: tuple[float, float, float]) -> tuple:
+    """compared_part's arguments from each side's (device, busy, gap) us."""
+    return captured[0], eager[0], captured[1:], eager[1:]
+
+
+def compared_part(
+    part: str,
+    captured_us: float,
+    eager_us: float,
+    captured_split: tuple[float, float] = (0.0, 0.0),
+    eager_split: tuple[float, float] = (0.0, 0.0),
+) -> ComparedPart:
+    """One row from each side's device time and its (busy, gap) split, in us."""
     measured = captured_us >= MEASURABLE_US and eager_us >= MEASURABLE_US
     note = ""
     if captured_us < MEASURABLE_US <= eager_us:
@@ -166,8 +191,9 @@ def compared_part(part: str, captured_us: float, eager_us: float) -> ComparedPar
     elif eager_us < MEASURABLE_US <= captured_us:
         note = "captured side only"
     return ComparedPart(
-        part, captured_us / 1000, eager_us / 1000, eager_us / captured_us if measured else None, note
-    )
+        part, captured_us / 1000, eager_us / 1000, eager_us / captured_us if measured else None, note,
+        *(us / 1000 for us in (*captured_split, *eager_split)),
+    )  # fmt: skip
 
 
 def _unmeasured(row: ComparedPart, why: str) -> None:

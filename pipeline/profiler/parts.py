@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeline.profiler.tree import UNATTRIBUTED
@@ -124,12 +125,42 @@ def part_of(slice_: str) -> str:
     return "other"
 
 
-def part_times(summary: ProfileNode) -> dict[str, float]:
-    """A phase's device time (us) per part of PARTS, every part present (0 where none)."""
+def part_times(summary: ProfileNode, value: Callable[[ProfileNode], float] | None = None) -> dict[str, float]:
+    """A phase's device time (us) per part of PARTS, every part present (0 where none); value:
+    what is summed instead (module_slices)."""
     times = dict.fromkeys(PARTS, 0.0)
-    for slice_, us in module_slices(summary).items():
+    for slice_, us in module_slices(summary, value=value).items():
         times[part_of(slice_)] += us
     return times
+
+
+def busy_us(node: ProfileNode) -> float:
+    return node.busy_us
+
+
+def gap_us(node: ProfileNode) -> float:
+    return node.gap_us
+
+
+@dataclass
+class SliceTimes:
+    """One side's module slices three ways (us): device time, busy time and gaps (tree.py)."""
+
+    device: dict[str, float]
+    busy: dict[str, float]
+    gap: dict[str, float]
+
+    @classmethod
+    def of(cls, summary: ProfileNode) -> SliceTimes:
+        return cls(
+            module_slices(summary),
+            module_slices(summary, value=busy_us),
+            module_slices(summary, value=gap_us),
+        )
+
+    def of_slices(self, names: list[str]) -> tuple[float, float, float]:
+        """(device, busy, gap) us of these slices together."""
+        return tuple(sum(times.get(n, 0.0) for n in names) for times in (self.device, self.busy, self.gap))
 
 
 LAYER_INDEX = re.compile(r"\.layers\.\d+\.")

@@ -151,6 +151,21 @@ class ComparedPart:
     eager_ms: float
     speedup: float | None  # eager / captured; None where the note says why not
     note: str = ""
+    # Each side's busy time and gaps (ProfileNode.busy_us/gap_us) over its module slices
+    captured_busy_ms: float = 0.0
+    captured_gap_ms: float = 0.0
+    eager_busy_ms: float = 0.0
+    eager_gap_ms: float = 0.0
+
+    @property
+    def busy_saved_ms(self) -> float:
+        """The part of the gain that is faster work (fusion, better kernels)."""
+        return self.eager_busy_ms - self.captured_busy_ms
+
+    @property
+    def gaps_removed_ms(self) -> float:
+        """The part of the gain that is less time between the work (dispatch, launches)."""
+        return self.eager_gap_ms - self.captured_gap_ms
 
 
 @dataclass

@@ -71,17 +71,25 @@ def phase_table(phases: Phases, phase: str, table: str, depth: int | None, top_k
 
 
 def comparison_table(rows: list[ComparedPart], phase: str, top: int = 12) -> str:
-    header = f"{'part':<60} {'captured ms':>12} {'eager ms':>10} {'eager/captured':>15}  note"
+    """The largest parts and the total: device ms per step on each side, each side's gaps (ms
+    between its work), and the difference split into busy time saved and gaps removed."""
+    header = (
+        f"{'part':<56} {'captured ms':>11} {'gap':>7} {'eager ms':>9} {'gap':>7} {'eager/captured':>14} "
+        f"{'busy saved':>10} {'gaps removed':>12}  note"
+    )
     lines = [
-        f"{phase}: captured vs Hugging Face generate (eager), device ms per step",
+        f"{phase}: captured vs Hugging Face generate (eager), device ms per step; gap: ms between the "
+        "part's work (host time between ops on CPU, device idle between kernels on a GPU)",
         header,
         "-" * len(header),
     ]
     shown = [r for r in rows if r.part != "total"][:top] + [r for r in rows if r.part == "total"]
     for r in shown:
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
-        name = r.part if len(r.part) <= 60 else "..." + r.part[-57:]
+        name = r.part if len(r.part) <= 56 else "..." + r.part[-53:]
         lines.append(
-            f"{name:<60} {r.captured_ms:>12.3f} {r.eager_ms:>10.3f} {speedup:>15}  {r.note}".rstrip()
+            f"{name:<56} {r.captured_ms:>11.3f} {r.captured_gap_ms:>7.3f} {r.eager_ms:>9.3f} "
+            f"{r.eager_gap_ms:>7.3f} {speedup:>14} {r.busy_saved_ms:>10.3f} {r.gaps_removed_ms:>12.3f}  "
+            f"{r.note}".rstrip()
         )
     return "\n".join(lines)

@@ -263,9 +263,29 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
     for phase, rows in profile.comparison.items():
         section.blocks.append(
             Table(
-                [f"{phase}: part", "captured ms", "HF generate ms", "HF / captured", "note"],
                 [
-                    [r.part, r.captured_ms, r.eager_ms, f"{r.speedup:.2f}x" if r.speedup else "-", r.note]
+                    f"{phase}: part",
+                    "captured ms",
+                    "captured gap ms",
+                    "HF generate ms",
+                    "HF gap ms",
+                    "HF / captured",
+                    "busy saved ms",
+                    "gaps removed ms",
+                    "note",
+                ],
+                [
+                    [
+                        r.part,
+                        r.captured_ms,
+                        r.captured_gap_ms,
+                        r.eager_ms,
+                        r.eager_gap_ms,
+                        f"{r.speedup:.2f}x" if r.speedup else "-",
+                        r.busy_saved_ms,
+                        r.gaps_removed_ms,
+                        r.note,
+                    ]
                     for r in rows
                     if r.part == "total" or r.captured_ms + r.eager_ms > 0.01 * rows[-1].eager_ms
                 ],

@@ -21,7 +21,7 @@ from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
 from pipeline.profiler.comparison import comparison
-from pipeline.profiler.parts import category_pct, part_times
+from pipeline.profiler.parts import category_pct, gap_us, part_times
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.roofline import Roofs, StepShape, gemm_shapes, roofline
 from pipeline.profiler.rows import Phases, Reference
@@ -135,14 +135,45 @@ def _eager_reference(state: RunState) -> session.ProfiledRun:
 
 
 def part_metrics(phases: Phases, side: str) -> dict[str, float]:
-    """layers/<phase><side>/<part>_ms: device ms per step of each top-level part (parts.PARTS)
-    in prefill and decode (the decode windows' mean), a bounded set that charts across runs."""
-    return {
-        f"layers/{phase}{side}/{part}_ms": us / 1000
-        for phase in ("prefill", "decode")
-        if phase in phases
-        for part, us in part_times(phases[phase].summary_stats).items()
-    }
+    """layers/<phase><side>/<part>_ms and <part>_gap_ms: device ms per step of each top-level part
+    (parts.PARTS) and the ms between its work, in prefill and decode (the decode windows' mean),
+    a bounded set that charts across runs; profile/<phase><side>_gap_pct: the step's gaps as a
+    share of its span."""
+    metrics = {}
+    for phase in ("prefill", "decode"):
+        if phase not in phases:
+            continue
+        summary = phases[phase].summary_stats
+        for suffix, value in (("ms", None), ("gap_ms", gap_us)):
+            metrics |= {
+                f"layers/{phase}{side}/{part}_{suffix}": us / 1000
+                for part, us in part_times(summary, value).items()
+            }
+        metrics[f"profile/{phase}{side}_gap_pct"] = phases[phase].gap_pct
+    return metrics
+
+
+def gap_note(results: ProfileResults) -> str:
+    """The summary's line on gaps: each step's share of its span, gap-bound where over half, and
+    how the comparison splits the gain."""
+    said = []
+    for phase in ("prefill", "decode"):
+        if phase not in results.phases:
+            continue
+        sides = [("", results.phases[phase])]
+        if results.reference is not None and phase in results.reference.phases:
+            sides.append(("eager ", results.reference.phases[phase]))
+        shares = ", ".join(
+            f"{side}{p.gap_pct:.0f} %" + (" gap-bound" if p.gap_bound else "") for side, p in sides
+        )
+        total = results.comparison.get(phase, [None])[-1]
+        split = (
+            f" (captured - eager: busy {-total.busy_saved_ms:+.3f} ms, gaps {-total.gaps_removed_ms:+.3f} ms)"
+            if total is not None
+            else ""
+        )
+        said.append(f"{phase} {shares}{split}")
+    return "gaps between ops (share of each step's span): " + "; ".join(said)
 
 
 def run(state: RunState) -> StageResult:
@@ -247,6 +278,7 @@ def _notes(
         notes.append(
             f"inside the graphs: {spec(state.backend).sees}" + (f" ({counted} calls)" if counted else "")
         )
+    notes.append(gap_note(results))
     if results.comparison:
         speedups = [f"{phase} {x:.2f}x" for phase, x in results.speedups().items()]
         rewrites = sorted(
