@@ -20,6 +20,7 @@ from pipeline.transforms.registry import TransformHistory
 if TYPE_CHECKING:  # the modules that fill these fields import this one
     from transformers import PretrainedConfig
 
+    from pipeline.numerics import PartError
     from pipeline.profiler.stepwise import Waterfall
     from pipeline.runtime.engine import DemoLLM, Generation
     from pipeline.runtime.requests import Sources
@@ -132,6 +133,8 @@ class RunState:
     rank: Rank | None = None  # among tensor-parallel ranks (runtime.world_size > 1); None: one process
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)
     waterfall: Waterfall | None = None  # profile.waterfall=true: the steps measured so far
+    # numerics: each part's output against eager, "prefill" on the check calls, "decode" at a decode step
+    part_errors: dict[str, list[PartError]] = field(default_factory=dict)
 
     def workload(self) -> list[Request]:
         """The run's requests: the configured prompts (and images) of `prompt`."""

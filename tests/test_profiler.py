@@ -34,7 +34,7 @@ from pipeline.profiler.categories import Categorizer
 from pipeline.profiler.events import DeviceEvent, ModuleSpan, OpEvent, Window
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.roofline import Roofs
-from pipeline.profiler.rows import ComparedPart, PhaseStats, ProfileNode, Reference, RoofRow
+from pipeline.profiler.rows import ComparedPart, LayerRow, PhaseStats, ProfileNode, Reference, RoofRow
 
 CATEGORIES = Categorizer(compose_cfg().profile.kernel_categories)
 
@@ -340,12 +340,24 @@ def test_a_saved_profile_loads_back_into_the_same_results(tmp_path):
         },
         roofs=Roofs(read_gbs=10.0, steps={"decode": {"tokens": 1, "rows": 1, "context": 9, "sequences": 1}}),
         roofline={"decode": [RoofRow("mlp", 1.0, 4.0, 0.0, 5.0, 0.1, "read", 0.4, 40.0)]},
+        layers={
+            "decode": [
+                LayerRow("layers.0", 1.0, 1.5, 1.5, "", 0.9, 0.1, 1.2, 0.3, "moe", 40.0, 1e-6, 1e-7, True)
+            ]
+        },
     )
     files, printed = results.write(tmp_path, None, None)
     loaded = ProfileResults.load(tmp_path / "profile.json")
     assert loaded == results
     assert "decode summary table (mean of 1 windows)" in printed and "against its roof" in printed
-    assert {f.name for f in files} >= {"profile.json", "tables.txt", "comparison.csv", "model_stats.csv"}
+    assert {f.name for f in files} >= {
+        "profile.json",
+        "tables.txt",
+        "comparison.csv",
+        "model_stats.csv",
+        "layers.csv",
+    }
+    assert "decode: per layer" in printed and loaded.phases["decode"].model_stats.span_us > 0
     assert loaded.phases["decode"].summary_stats.children[0].children, "the tree came back flat"
     (tmp_path / "bad.json").write_text('{"schema_version": 2, "phases": {"decode": {}}}')
     with pytest.raises(ValueError, match="bad.json: a profile.json missing or mistyping 'step_ms'"):

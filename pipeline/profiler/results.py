@@ -18,6 +18,7 @@ profile.json (schema below, versioned):
   fused: {module: [modules whose kernels Inductor fused with its work]}
   comparison: {prefill, decode: [ComparedPart {part, captured_ms, eager_ms, speedup, note}]}
   roofline: {roofs: Roofs, phases: {prefill, decode: [RoofRow]}}
+  layers: {prefill, decode: [LayerRow]}: the per-layer table (profiler/layers.py)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from pipeline.profiler import vllm_layout
 from pipeline.profiler.roofline import Roofs, roofline_table
-from pipeline.profiler.rows import ComparedPart, Phases, PhaseStats, ProfileNode, Reference, RoofRow
-from pipeline.profiler.tables import comparison_table, phase_table
+from pipeline.profiler.rows import ComparedPart, LayerRow, Phases, PhaseStats, ProfileNode, Reference, RoofRow
+from pipeline.profiler.tables import comparison_table, layer_table, phase_table
 
 SCHEMA_VERSION = 2
 READABLE = (1, 2)  # version 1 lacks attribution, statistic and the eager reference
@@ -50,6 +51,7 @@ class ProfileResults:
     comparison: dict[str, list[ComparedPart]] = field(default_factory=dict)
     roofs: Roofs | None = None  # the limits the roofline rows were set against
     roofline: dict[str, list[RoofRow]] = field(default_factory=dict)
+    layers: dict[str, list[LayerRow]] = field(default_factory=dict)  # phase -> the per-layer table
 
     # --- profile.json ------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -72,6 +74,8 @@ class ProfileResults:
                 "roofs": asdict(self.roofs),
                 "phases": {phase: [asdict(r) for r in rows] for phase, rows in self.roofline.items()},
             }
+        if self.layers:
+            saved["layers"] = {phase: [asdict(r) for r in rows] for phase, rows in self.layers.items()}
         return saved
 
     def to_json(self) -> str:
@@ -99,6 +103,7 @@ class ProfileResults:
                 phase: [RoofRow(**r) for r in rows]
                 for phase, rows in (roofline or {}).get("phases", {}).items()
             },
+            layers={phase: [LayerRow(**r) for r in rows] for phase, rows in saved.get("layers", {}).items()},
         )
 
     @classmethod
@@ -128,7 +133,8 @@ class ProfileResults:
 
     # --- printed and written ---------------------------------------------------------------------
     def tables(self, depth: int | None, top_k: int | None) -> str:
-        """tables.txt: each phase's summary and model tables, the comparison with eager, the roofs."""
+        """tables.txt: each phase's summary and model tables, the comparison with eager, the roofs,
+        the per-layer table."""
         return "\n\n".join(
             [
                 *(
@@ -138,12 +144,13 @@ class ProfileResults:
                 ),
                 *(comparison_table(rows, phase) for phase, rows in self.comparison.items()),
                 *(roofline_table(rows, phase, self.roofs) for phase, rows in self.roofline.items()),
+                *(layer_table(rows, phase) for phase, rows in self.layers.items()),
             ]
         )
 
     def write(self, folder: Path, depth: int | None, top_k: int | None) -> tuple[list[Path], str]:
-        """profile.json, the two CSV tables, tables.txt, vllm_profile.json and (with a reference)
-        comparison.csv; returns the files and the printed tables. The one writer of each."""
+        """profile.json, the two CSV tables, tables.txt, vllm_profile.json, comparison.csv (with a
+        reference) and layers.csv; returns the files and the printed tables. The one writer of each."""
         profile_json = folder / "profile.json"
         profile_json.write_text(self.to_json())
         model_csv, summary_csv = folder / "model_stats.csv", folder / "summary_stats.csv"
@@ -155,14 +162,12 @@ class ProfileResults:
         vllm_json = folder / "vllm_profile.json"  # the same trees as vLLM's layerwise profiler writes them
         vllm_json.write_text(json.dumps(vllm_layout.vllm_profile(self.context, self.phases)))
         files = [profile_json, model_csv, summary_csv, tables_txt, vllm_json]
-        if self.comparison:
-            comparison_csv = folder / "comparison.csv"
-            with comparison_csv.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=["phase", *(f.name for f in fields(ComparedPart))])
-                writer.writeheader()
-                for phase, rows in self.comparison.items():
-                    writer.writerows({"phase": phase, **asdict(row)} for row in rows)
-            files.append(comparison_csv)
+        for name, table, row_type in (
+            ("comparison.csv", self.comparison, ComparedPart),
+            ("layers.csv", self.layers, LayerRow),
+        ):
+            if table:
+                files.append(_write_rows_csv(folder / name, table, row_type))
         return files, printed
 
 
@@ -194,3 +199,13 @@ def _write_tree_csv(path: Path, phases: Phases, table: str) -> None:
         writer.writeheader()
         for phase, stats in phases.items():
             writer.writerows(csv_rows(phase, getattr(stats, table)))
+
+
+def _write_rows_csv(path: Path, table: dict[str, list], row_type: type) -> Path:
+    """Rows of each phase, one CSV line each with the phase first."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["phase", *(f.name for f in fields(row_type))])
+        writer.writeheader()
+        for phase, rows in table.items():
+            writer.writerows({"phase": phase, **asdict(row)} for row in rows)
+    return path

@@ -169,6 +169,19 @@ class ComparedPart:
 
 
 @dataclass
+class LayerRow(ComparedPart):
+    """One part of the per-layer table (layers.py): a decoder layer, the vision tower, the
+    projector, the lm_head, a kind's layers summed, the rest of the step or the total; its time on
+    both sides as a ComparedPart, beside its roof and its numerics."""
+
+    kind: str = ""  # a decoder layer's kind where a stack's layers differ (layers.layer_kinds)
+    pct_of_roof: float | None = None  # its slices' roof time against its time
+    max_abs: float | None = None  # numerics: its output against eager's (None: not compared)
+    max_rel: float | None = None
+    first_drift: bool = False  # the first part past the dtype's tolerance
+
+
+@dataclass
 class RoofRow:
     """One part with weights against the limits."""
 

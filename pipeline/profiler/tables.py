@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.profiler.rows import ComparedPart, Phases, ProfileNode
+    from pipeline.profiler.rows import ComparedPart, LayerRow, Phases, ProfileNode
 
 NAME_WIDTH = 64
 
@@ -91,5 +91,33 @@ def comparison_table(rows: list[ComparedPart], phase: str, top: int = 12) -> str
             f"{name:<56} {r.captured_ms:>11.3f} {r.captured_gap_ms:>7.3f} {r.eager_ms:>9.3f} "
             f"{r.eager_gap_ms:>7.3f} {speedup:>14} {r.busy_saved_ms:>10.3f} {r.gaps_removed_ms:>12.3f}  "
             f"{r.note}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+def _number(value: float | None, spec: str, width: int) -> str:
+    return f"{value:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
+
+
+def layer_table(rows: list[LayerRow], phase: str) -> str:
+    """The per-layer table of one phase (profiler/layers.py)."""
+    header = (
+        f"{'part':<44} {'kind':<18} {'captured ms':>11} {'gap':>7} {'eager ms':>9} {'gap':>7} {'ratio':>7} "
+        f"{'% roof':>6} {'max abs':>9} {'max rel':>9}  note"
+    )
+    lines = [
+        f"{phase}: per layer, captured vs eager (device ms per step, gaps between the work), roof, "
+        "numerics against eager (<< first past tolerance)",
+        header,
+        "-" * len(header),
+    ]
+    for r in rows:
+        name = r.part if len(r.part) <= 44 else "..." + r.part[-41:]
+        speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+        lines.append(
+            f"{name:<44} {_cut(r.kind, 18):<18} {r.captured_ms:>11.3f} {r.captured_gap_ms:>7.3f} "
+            f"{r.eager_ms:>9.3f} {r.eager_gap_ms:>7.3f} {speedup:>7} {_number(r.pct_of_roof, '.1f', 6)} "
+            f"{_number(r.max_abs, '.2e', 9)} {_number(r.max_rel, '.2e', 9)}"
+            f"{' <<' if r.first_drift else ''}  {r.note}".rstrip()
         )
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 class Table:
     headers: list[str]
     rows: list[list[object]]
+    sortable: bool = False  # HTML: a click on a header sorts by that column
 
 
 @dataclass
@@ -71,7 +72,22 @@ th { background: #f3f3f3; }
 pre { background: #f7f7f7; padding: 0.8rem; overflow-x: auto; font-size: 0.8rem; }
 img { max-width: 100%; border: 1px solid #eee; }
 .failed { color: #b00020; font-weight: bold; }
+table.sortable th { cursor: pointer; }
 """
+
+# Sorts a sortable table's body by the clicked column: numbers as numbers ("1.5x", "-" last), the
+# rest as text; a second click reverses.
+SORT_SCRIPT = """<script>
+document.querySelectorAll('table.sortable th').forEach((th, column) => th.addEventListener('click', () => {
+  const body = th.closest('table').tBodies[0];
+  const up = th.dataset.up !== '1'; th.dataset.up = up ? '1' : '0';
+  const key = row => { const t = row.cells[column].textContent.replace(/[,x%]/g, '');
+    const n = parseFloat(t); return isNaN(n) ? t : n; };
+  [...body.rows].sort((a, b) => { const x = key(a), y = key(b);
+    const order = typeof x === typeof y ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === 'number' ? -1 : 1);
+    return up ? order : -order; }).forEach(row => body.appendChild(row));
+}));
+</script>"""
 
 
 def to_html(title: str, sections: list[Section]) -> str:
@@ -89,7 +105,8 @@ def to_html(title: str, sections: list[Section]) -> str:
                     "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in row) + "</tr>"
                     for row in block.rows
                 )
-                parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+                css = " class='sortable'" if block.sortable else ""
+                parts.append(f"<table{css}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
             elif isinstance(block, Pre):
                 parts.append(f"<pre>{html.escape(block.text)}</pre>")
             elif isinstance(block, Image):
@@ -101,6 +118,8 @@ def to_html(title: str, sections: list[Section]) -> str:
             else:
                 css = " class='failed'" if block.startswith("FAILED") else ""
                 parts.append(f"<p{css}>{html.escape(block)}</p>")
+    if any(isinstance(b, Table) and b.sortable for s in sections for b in s.blocks):
+        parts.append(SORT_SCRIPT)
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -121,7 +140,9 @@ def without_local_paths(sections: list[Section], root: Path) -> list[Section]:
 
     def block(b: Block) -> Block:
         if isinstance(b, Table):
-            return Table([clean(h) for h in b.headers], [[clean(v) for v in row] for row in b.rows])
+            return Table(
+                [clean(h) for h in b.headers], [[clean(v) for v in row] for row in b.rows], b.sortable
+            )
         if isinstance(b, Pre):
             return Pre(clean(b.text))
         return clean(b) if isinstance(b, str) else b

@@ -12,7 +12,7 @@ from pipeline.models.memory import human_count
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.roofline import roofline_table
 from pipeline.profiler.tables import phase_table
-from pipeline.report.document import Image, Pre, Section, Table, write
+from pipeline.report.document import Block, Image, Pre, Section, Table, write
 from pipeline.report.ranks import rank_metrics, rank_profiles, rank_table
 from pipeline.state import RunState
 
@@ -299,9 +299,55 @@ def _profile_section(state: RunState, plots: dict[str, Path], plot_notes: list[s
         )
     for phase, rows in profile.roofline.items():
         section.blocks.append(Pre(roofline_table(rows, phase, profile.roofs)))
+    section.blocks += _layer_tables(profile)
     section.blocks += plot_notes
     section.blocks += [Image(png, PLOT_CAPTIONS.get(key, key)) for key, png in plots.items()]
     return section
+
+
+LAYER_COLUMNS = (
+    "captured ms", "busy", "gap", "HF ms", "busy", "gap", "HF / captured", "% of roof", "max abs err",
+    "max rel err", "note",
+)  # fmt: skip
+
+
+def _layer_tables(profile: ProfileResults) -> list[Block]:
+    """The per-layer table of each phase, one sortable table: time and gaps on both sides, the
+    roof, the numerics (the first part past tolerance marked)."""
+    blocks: list[Block] = []
+    for phase, rows in profile.layers.items():
+        blocks.append(
+            f"{phase}, per layer: device ms per step on each side split into busy time and gaps (ms "
+            "between the part's work), the share of its roof, its output against eager's (click a "
+            "header to sort)."
+        )
+        blocks.append(
+            Table(
+                [f"{phase}: part", "kind", *LAYER_COLUMNS],
+                [
+                    [
+                        r.part,
+                        r.kind,
+                        r.captured_ms,
+                        r.captured_busy_ms,
+                        r.captured_gap_ms,
+                        r.eager_ms,
+                        r.eager_busy_ms,
+                        r.eager_gap_ms,
+                        f"{r.speedup:.2f}x" if r.speedup else "-",
+                        "-" if r.pct_of_roof is None else r.pct_of_roof,
+                        "-" if r.max_abs is None else r.max_abs,
+                        "-"
+                        if r.max_rel is None
+                        else f"{r.max_rel:.2e}" + (" FIRST PAST TOLERANCE" if r.first_drift else ""),
+                        r.note,
+                    ]
+                    for r in rows
+                ],  # fmt: skip
+                sortable=True,
+            )
+        )
+    return blocks
 
 
 def _ranks_section(state: RunState) -> Section:

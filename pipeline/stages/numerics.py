@@ -40,6 +40,7 @@ def run(state: RunState) -> StageResult:
     decode, decode_notes = _decode_rows(state, tolerance, compile_copy)
     # The copies compiled here are not generation's: recompiles count from now.
     state.compiled_frames = compiled_frames()
+    state.part_errors = {"prefill": rows, **({"decode": decode} if decode is not None else {})}
     folder = state.run_dir / "numerics"
     folder.mkdir(parents=True, exist_ok=True)
     table = numerics_table(rows, tolerance, decode)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 
-from pipeline import waterfall
+from pipeline import numerics, waterfall
 from pipeline.backend_specs import AS_BUILT, spec
 from pipeline.devices import dtype_name
 from pipeline.errors import StageFailure
@@ -21,10 +22,11 @@ from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
 from pipeline.profiler.comparison import comparison
+from pipeline.profiler.layers import Unlike, layer_kinds, layer_rows
 from pipeline.profiler.parts import category_pct, gap_us, part_times
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.roofline import Roofs, StepShape, gemm_shapes, roofline
-from pipeline.profiler.rows import Phases, Reference
+from pipeline.profiler.rows import LayerRow, Phases, Reference
 from pipeline.report.breakdown import long_table
 from pipeline.report.plots import waterfall_plot
 from pipeline.report.ranks import COMMUNICATION
@@ -195,6 +197,7 @@ def run(state: RunState) -> StageResult:
         state.waterfall.profile_speedup = results.speedups()
         waterfall.rounds(state, first)
     results.roofs, results.roofline = roofs, roofline(results.phases, state.model, roofs)
+    results.layers = _layer_table(state, results)
     files, printed = results.write(folder, cfg.profile.table_depth, cfg.profile.table_top_k)
     log.info(
         "profile tables (depth %s, top %s per node):\n%s",
@@ -207,6 +210,8 @@ def run(state: RunState) -> StageResult:
         "tables/module_breakdown.json": long_table(results.phases, "module"),
         "tables/kernel_categories.json": long_table(results.phases, "category"),
     }
+    if results.layers:
+        tables["tables/layers.json"] = _columns(results.layers)
     result = StageResult(
         metrics=metrics,
         artifacts=[*files, trace_dir],
@@ -232,6 +237,39 @@ def _compare_with_eager(state: RunState, results: ProfileResults, profiled: sess
         graphs=tuple(path for path, _ in find_graphs(state.model)),
         moved=moved_work(state.transform_history),
     )
+
+
+def _layer_table(state: RunState, results: ProfileResults) -> dict[str, list[LayerRow]]:
+    """The per-layer table of prefill and decode: the numerics stage's parts, their kinds, where
+    the two sides' work differs (model-scope rewrites; work fused or moved between parts) and
+    each phase's numerics."""
+    lm_paths = list(state.model_info.language_model_paths) if state.model_info else []
+    parts = state.reference.part_order if state.reference else numerics.part_paths(state.model, lm_paths)
+    text = getattr(state.hf_config, "text_config", None) or state.hf_config
+    kinds = layer_kinds(state.model, parts, getattr(text, "layer_types", None))
+    unlike = Unlike.of(
+        parts,
+        rewritten_modules(state.model, state.transform_history),
+        {source: set(targets) for source, targets in results.fused.items()},
+        moved_work(state.transform_history),
+    )
+    eager = results.reference.phases if results.reference else None
+    tables = {}
+    for phase in ("prefill", "decode"):
+        if phase not in results.phases:
+            continue
+        errors = state.part_errors.get(phase, [])
+        first = next((e.part for e in errors if e.past_tolerance), None)
+        by_part = {e.part: (e.max_abs, e.max_rel, e.part == first) for e in errors}
+        roofs = results.roofline.get(phase, [])
+        tables[phase] = layer_rows(phase, results.phases, eager, parts, kinds, unlike, roofs, by_part)
+    return tables
+
+
+def _columns(layers: dict[str, list[LayerRow]]) -> dict[str, list]:
+    """The per-layer tables of every phase as one MLflow table: a column per field, `phase` first."""
+    rows = [{"phase": phase, **asdict(row)} for phase, phase_rows in layers.items() for row in phase_rows]
+    return {key: [row[key] for row in rows] for key in rows[0]}
 
 
 def _metrics(state: RunState, profiled: session.ProfiledRun, results: ProfileResults) -> dict[str, float]:
