@@ -132,6 +132,7 @@ class RunState:
     stages: list[StageRecord] = field(default_factory=list)  # every stage run so far, in order
     rank: Rank | None = None  # among tensor-parallel ranks (runtime.world_size > 1); None: one process
     compiled_frames: int = 0  # Dynamo's frame count after the capture stage (later growth: recompiles)
+    compile_log_mark: int = 0  # compile_log.LOG's frames then: those after it are generation's
     waterfall: Waterfall | None = None  # profile.waterfall=true: the steps measured so far
     # numerics: each part's output against eager, "prefill" on the check calls, "decode" at a decode step
     part_errors: dict[str, list[PartError]] = field(default_factory=dict)

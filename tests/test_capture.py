@@ -7,9 +7,11 @@ import pytest
 import torch
 from conftest import COMPILED_SEEDS, TINY_MOE, generated_tokens, staged
 from test_runtime import _engine, _hf_generate, _requests
+from torch import fx, nn
 
 from pipeline.backends import cudagraph
 from pipeline.backends.compile import compile_module, compiled_frames
+from pipeline.backends.compile_log import LOG, facts
 from pipeline.graphs import record_of
 from pipeline.models import zoo
 from pipeline.runtime.sampling import SamplingParams
@@ -209,3 +211,36 @@ def test_generation_compiles_nothing(name, capture, batch):
         assert capture.metrics["capture/compiled_frames"] >= 1
         assert generate.metrics["capture/recompiles"] == 0
         assert compiled_frames() == state.compiled_frames
+        assert LOG.since(state.compile_log_mark) == []
+        assert capture.metrics["capture/graph_breaks"] == 0
+        assert capture.metrics["capture/guards"] > 0 and capture.metrics["capture/inductor_kernels"] > 0
+
+
+class _Printing(nn.Module):
+    def forward(self, x):
+        x = torch.sin(x)
+        print("a graph break")
+        return torch.cos(x)
+
+
+def test_each_compiled_frame_is_logged_with_its_graph_break_and_recompile_reason(capsys):
+    """compile_log.LOG: a graph module's frames under its name, the kernels Inductor made for
+    each, the guard that failed when a call of another dtype recompiled it, and the reason a
+    frame broke."""
+    graph = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    mark = LOG.mark()
+    compile_module(graph, "the_graph")
+    graph(torch.randn(2, 4))
+    graph.double()
+    graph(torch.randn(2, 4, dtype=torch.float64))
+    first, again = LOG.since(mark)
+    assert (first.graph, again.graph) == ("the_graph", "the_graph")
+    assert first.kernels >= 1 and first.guards > 0 and first.recompile_reason == ""
+    assert "dtype" in again.recompile_reason or "mismatch" in again.recompile_reason, again
+    broken = _Printing()
+    mark = LOG.mark()
+    compile_module(broken)
+    broken(torch.randn(3))
+    frames = LOG.since(mark)
+    assert frames[0].graph_break and "print" in frames[0].graph_break, frames
+    assert facts(frames)["graph_breaks"] == 1

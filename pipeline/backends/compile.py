@@ -30,6 +30,7 @@ from torch import fx, nn
 from torch._inductor.decomposition import register_decomposition
 from torch.fx.experimental import _config as fx_config
 
+from pipeline.backends.compile_log import LOG
 from pipeline.ops import (
     add_rms_norm_reference,
     rms_norm_reference,
@@ -69,8 +70,9 @@ def _plain(value):
     return value if value._base is None else value.detach()
 
 
-def compile_module(module: nn.Module) -> None:
-    """Inductor on the module's forward, sizes symbolic from the first call on.
+def compile_module(module: nn.Module, name: str = "") -> None:
+    """Inductor on the module's forward, sizes symbolic from the first call on; name: the graph's
+    path, which its compiles are recorded under (compile_log.LOG).
 
     On an exported graph, without duck shaping: two sizes that happen to match in one call (the
     sequences and the page-table width, the batch and the cache's K/V pair) are not tied, which
@@ -78,6 +80,7 @@ def compile_module(module: nn.Module) -> None:
     so a one-token or one-sequence step compiles apart from a longer one; the capture stage warms
     up each kind generation meets (stages/capture.py), and the page table is never one column
     wide (attention/kv_cache.py). The eager model (capture=none) compiles as torch.compile does."""
+    LOG.install()
     compiled = torch.compile(module.forward, dynamic=True)
     if not isinstance(module, fx.GraphModule):
         module.forward = compiled
@@ -87,10 +90,10 @@ def compile_module(module: nn.Module) -> None:
         kwargs = {name: _plain(value) for name, value in kwargs.items()}
         # Read only when a call compiles; set per call (config.patch costs 4x more a step).
         duck = fx_config.use_duck_shape
-        fx_config.use_duck_shape = False
+        fx_config.use_duck_shape, LOG.graph = False, name
         try:
             return compiled(*args, **kwargs)
         finally:
-            fx_config.use_duck_shape = duck
+            fx_config.use_duck_shape, LOG.graph = duck, ""
 
     module.forward = forward

@@ -3,6 +3,8 @@ off: what each does is its spec's (pipeline/backends/__init__.py)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from pipeline.attention.kv_cache import pages_for
@@ -30,8 +32,8 @@ def apply(
     runners: dict[str, nn.Module] = {}
     traits = spec(backend)
     if traits.compiles:
-        for _, target in targets:
-            compile_module(target)
+        for name, target in targets:
+            compile_module(target, name)
     cached = [(name, g) for name, g in targets if _has_cache(g)]
     if traits.replays or config.piecewise:
         if not cached:
@@ -52,11 +54,15 @@ def apply(
                 scratch_page=pages_for(runtime, specs) - 1,
                 page_size=runtime.attn_page_size,
                 capture_head=config.piecewise_capture_lm_head,
-                compile_segment=compile_module if traits.compiles else None,
+                compile_segment=partial(_compile_segment, name) if traits.compiles else None,
                 use_graphs=on_cuda and traits.replays,
                 max_tokens=runtime.max_num_tokens,
             )
     return runners
+
+
+def _compile_segment(graph: str, segment: nn.Module, part: str) -> None:
+    compile_module(segment, f"{graph}/{part}")
 
 
 def _has_cache(target: nn.Module) -> bool:

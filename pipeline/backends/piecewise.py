@@ -364,13 +364,13 @@ def install(
     scratch_page: int,
     page_size: int,
     capture_head: bool,
-    compile_segment: Callable[[fx.GraphModule], None] | None,
+    compile_segment: Callable[[fx.GraphModule, str], None] | None,
     use_graphs: bool,
     max_tokens: int,
 ) -> PiecewiseRunner:
     """Put a PiecewiseRunner behind the graph's kwargs adapter, in front of the forward the graph
     has now (the decode runner's, or the compiled graph's). compile_segment: what the compiling
-    backends do to each static segment (and the head) before it is wrapped."""
+    backends do to each static segment (and the head), given it and its name, before it is wrapped."""
     record = record_of(graph)
     split_graph = split(graph)
     if use_graphs:  # before any capture: a replay reads its inputs at the shapes it was captured at
@@ -406,7 +406,7 @@ def install(
             )
         segment = split_graph.get_submodule(node.target)
         if compile_segment is not None:
-            compile_segment(segment)
+            compile_segment(segment, node.target)
         if kinds[node.target] == "head" and not capture_head:
             continue  # runs as it is (or compiled) after the replays
         # The class's forward read at each call: a profiler's module ranges recompile the segment.

@@ -75,6 +75,11 @@ def headline(state: RunState, report: Path | None = None) -> list[str]:
         decode = next((n for n in numerics.notes if "decode step" in n), None)
         if decode is not None:
             lines.append(f"numerics: {decode.removeprefix('!!! ')}")
+    recompiles = metrics.get("capture/recompiles", 0)
+    if recompiles:
+        lines.append(
+            f"WARNING {recompiles:.0f} recompiles during generation (the generate stage's notes say why)"
+        )
     if state.waterfall is not None and state.waterfall.rounds:
         lines += [f"WARNING waterfall: {warning}" for warning in state.waterfall.warnings()]
     if failure := _failure(state):
@@ -188,6 +193,15 @@ def _capture_section(state: RunState, metrics: dict[str, float]) -> Section:
         )
     if keys:
         section.blocks.append(Table(["metric", "value"], [[k, metrics[k]] for k in keys]))
+    compiles = state.run_dir / "capture" / "compiles.json"
+    if compiles.exists():
+        frames = json.loads(compiles.read_text())
+        section.blocks.append(
+            "Each frame Dynamo compiled in this stage (a recompile says which guard failed):"
+        )
+        section.blocks.append(
+            Table(list(frames[0]), [list(frame.values()) for frame in frames], sortable=True)
+        )
     return section
 
 

@@ -4,7 +4,9 @@ generation runs what was compiled here; compile time and what was captured are r
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict
 
 from torch import nn
 
@@ -12,6 +14,7 @@ from pipeline import correctness, waterfall
 from pipeline.backend_specs import spec
 from pipeline.backends import install, piecewise
 from pipeline.backends.compile import compiled_frames
+from pipeline.backends.compile_log import LOG, FrameCompile, columns, facts
 from pipeline.devices import free_memory
 from pipeline.errors import StageFailure, short_cause
 from pipeline.faults import maybe_fail
@@ -31,7 +34,7 @@ def run(state: RunState) -> StageResult:
         return result
     # With capture=none there is no subgraph: torch-compile compiles the whole eager model.
     targets: list[tuple[str, nn.Module]] = list(graphs) if graphs else [("model", state.model)]
-    frames = compiled_frames()
+    frames, logged = compiled_frames(), LOG.mark()
     start = time.perf_counter()
     try:
         _install(state, targets, result)
@@ -43,7 +46,8 @@ def run(state: RunState) -> StageResult:
     if state.waterfall is not None:
         waterfall.step(state, state.backend, result.metrics["capture/compile_s"])
     result.metrics["capture/compiled_frames"] = compiled_frames() - frames
-    state.compiled_frames = compiled_frames()
+    _compile_facts(state, LOG.since(logged), result)
+    state.compiled_frames, state.compile_log_mark = compiled_frames(), LOG.mark()
     result.notes.append(
         f"compiled and checked {len(targets)} graph(s) in {result.metrics['capture/compile_s']:.1f} s"
     )
@@ -87,7 +91,28 @@ def _fall_back(
         f"!!! backend {state.backend} FAILED ({cause}); running UNCOMPILED (backend.fallback=eager)"
     )
     result.metrics["capture/fallback"] = 1
-    state.compiled_frames = compiled_frames()
+    state.compiled_frames, state.compile_log_mark = compiled_frames(), LOG.mark()
+
+
+def _compile_facts(state: RunState, frames: list[FrameCompile], result: StageResult) -> None:
+    """capture/graph_breaks, capture/guards and capture/inductor_kernels over the frames the stage
+    compiled, each frame a row of capture/compiles.json and the MLflow table tables/compiles.json,
+    and a note naming any graph break."""
+    if not frames:
+        return
+    result.metrics |= {f"capture/{key}": value for key, value in facts(frames).items()}
+    folder = state.run_dir / "capture"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "compiles.json").write_text(json.dumps([asdict(f) for f in frames], indent=1) + "\n")
+    result.artifacts.append(folder / "compiles.json")
+    result.tables["tables/compiles.json"] = columns(frames)
+    broken = [f for f in frames if f.graph_break]
+    result.notes.append(
+        f"{len(frames)} frames compiled: {len(broken)} graph breaks, "
+        f"{result.metrics['capture/guards']:.0f} guards, {result.metrics['capture/inductor_kernels']:.0f} "
+        "Inductor kernels (capture/compiles.json)"
+        + (f"; !!! {broken[0].graph}: {broken[0].graph_break}" if broken else "")
+    )
 
 
 def _captures(name: str, runner: nn.Module) -> str:

@@ -8,6 +8,7 @@ import json
 from pipeline.backend_specs import spec
 from pipeline.backends import piecewise
 from pipeline.backends.compile import compiled_frames
+from pipeline.backends.compile_log import LOG
 from pipeline.errors import StageFailure
 from pipeline.models.memory import decode_weight_bytes
 from pipeline.models.zoo import eos_ids
@@ -83,7 +84,14 @@ def _throughput(state: RunState, engine: DemoLLM, requests, runs, warm_up: bool)
         metrics["model/decode_routed_bytes"] = routed_bytes
     if spec(state.backend).compiles:
         metrics["capture/recompiles"] = compiled_frames() - state.compiled_frames
-        notes.append(f"recompilations during generation: {int(metrics['capture/recompiles'])}")
+        recompiled = LOG.since(state.compile_log_mark)
+        notes.append(
+            f"recompilations during generation: {int(metrics['capture/recompiles'])}"
+            + "".join(
+                f"; !!! {f.graph} ({f.compile_id}): {f.recompile_reason or 'first compile'}"
+                for f in recompiled[:3]
+            )
+        )
     return metrics, notes
 
 

@@ -10,6 +10,7 @@ import re
 from pipeline import numerics
 from pipeline.backend_specs import spec
 from pipeline.backends.compile import compile_module, compiled_frames
+from pipeline.backends.compile_log import LOG
 from pipeline.correctness import TOLERANCE
 from pipeline.report.plots import numerics_plot
 from pipeline.state import RunState, StageResult
@@ -39,7 +40,7 @@ def run(state: RunState) -> StageResult:
     rows = numerics.measure(state.model, reference, state.check_calls, tolerance, compile_copy)
     decode, decode_notes = _decode_rows(state, tolerance, compile_copy)
     # The copies compiled here are not generation's: recompiles count from now.
-    state.compiled_frames = compiled_frames()
+    state.compiled_frames, state.compile_log_mark = compiled_frames(), LOG.mark()
     state.part_errors = {"prefill": rows, **({"decode": decode} if decode is not None else {})}
     folder = state.run_dir / "numerics"
     folder.mkdir(parents=True, exist_ok=True)
