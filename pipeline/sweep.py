@@ -252,7 +252,7 @@ def compare(
     from pipeline.profiler import stepwise
     from pipeline.profiler.results import ProfileResults
     from pipeline.report.breakdown import align, level_times
-    from pipeline.report.plots import breakdown_figure, waterfalls_figure
+    from pipeline.report.plots import breakdown_figure, busy_gap_figure, waterfalls_figure
 
     out = sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -278,17 +278,26 @@ def compare(
         plots["sweep_decode_ms"] = out / "decode_ms.png"
         fig.savefig(plots["sweep_decode_ms"], dpi=110)
         plt.close(fig)
-    profiles = {}
+    profiles, steps = {}, {}
     for job in jobs:
         path = Path(job["folder"]) / "profile" / "profile.json"
         if path.exists():
             phases = ProfileResults.load(path).phases
             if "decode" in phases:
                 profiles[job["name"]] = level_times(phases, "decode", "module")
+            for phase in ("prefill", "decode"):
+                if phase in phases:
+                    root = phases[phase].model_stats
+                    steps.setdefault(phase, {})[job["name"]] = (root.busy_us / 1000, root.gap_us / 1000)
     if profiles:
         fig = breakdown_figure(align(profiles, top), "Decode step by module, job by job")
         plots["sweep_module_breakdown"] = out / "module_breakdown.png"
         fig.savefig(plots["sweep_module_breakdown"], dpi=110)
+        plt.close(fig)
+    if steps:
+        fig = busy_gap_figure(steps, "Each job's step: busy time and gaps")
+        plots["sweep_busy_gaps"] = out / "busy_gaps.png"
+        fig.savefig(plots["sweep_busy_gaps"], dpi=110)
         plt.close(fig)
     waterfalls = {
         job["name"]: stepwise.load(path)

@@ -10,10 +10,12 @@ from conftest import REPO_ROOT, mlflow_runs, run_pipeline
 
 from pipeline.profiler.comparison import _rewritten_by, compared_part, comparison
 from pipeline.profiler.parts import PARTS, kernel_times, module_slices, part_of, slice_of
-from pipeline.profiler.rows import PhaseStats, ProfileNode
+from pipeline.profiler.results import ProfileResults
+from pipeline.profiler.rows import PhaseStats, ProfileNode, Reference
 from pipeline.profiler.tables import comparison_table
 from pipeline.report.breakdown import breakdown, top_k
 from pipeline.report.document import Image, Pre, Section, Table, to_html, to_markdown
+from pipeline.report.plots import busy_gap_bars
 
 
 def _node(fqn, kind, us, children=(), name=None, category=""):
@@ -141,7 +143,7 @@ def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
     proc = run_pipeline(args, tmp_path / "ok")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "ok" / "run"
-    for key in ("module_breakdown", "kernel_categories", "kernel_top"):
+    for key in ("module_breakdown", "kernel_categories", "kernel_top", "busy_gaps"):
         assert (run / "plots" / f"{key}.png").stat().st_size > 10_000
         assert (run / "plots" / f"{key}.pdf").exists()
     md = (run / "report" / "report.md").read_text()
@@ -153,7 +155,7 @@ def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
     assert "| transforms | done |" in md and " s (table below" in md
     assert "| latency/decode_p90_ms |" in md and "| ms |" in md
     html = (run / "report" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4  # three breakdowns, the numerics along depth
+    assert html.count("data:image/png;base64,") == 5  # 3 breakdowns, busy and gaps, numerics along depth
     assert "max relative difference along depth" in html
     console = proc.stdout + proc.stderr
     summary = [line.split("summary: ", 1)[1] for line in console.splitlines() if "summary: " in line]
@@ -377,6 +379,24 @@ def test_each_parts_gain_splits_into_busy_time_saved_and_gaps_removed():
     assert (total.busy_saved_ms, total.gaps_removed_ms) == pytest.approx((0.1, 0.55))
     table = comparison_table(list(rows.values()), "decode")
     assert "gaps removed" in table and "0.180" in table
+
+
+def test_the_busy_and_gap_bars_hold_each_parts_split_on_both_sides():
+    def side(attn_gap):
+        layer = _timed("lm.layers.*", "module", 300.0, attn_gap,
+                       [_timed("lm.layers.*.self_attn", "module", 300.0, attn_gap)])  # fmt: skip
+        return {
+            "decode": _stats(
+                _timed("", "phase", 300.0, attn_gap, [_timed("lm", "module", 300.0, attn_gap, [layer])])
+            )
+        }
+
+    profile = ProfileResults({}, side(20.0), reference=Reference("eager", side(200.0)))
+    bars = busy_gap_bars(profile)
+    assert list(bars) == ["decode"]
+    assert bars["decode"]["attention captured"] == pytest.approx((0.3, 0.02))
+    assert bars["decode"]["attention eager"] == pytest.approx((0.3, 0.2))
+    assert set(bars["decode"]) == {"attention captured", "attention eager"}  # parts with no time left out
 
 
 def test_a_module_maps_to_the_bucket_its_time_is_counted_in():

@@ -97,6 +97,7 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     html = (report / "sweep.html").read_text()
     assert html.count("<tr>") == 4 and "FAILED" in html and "vision_tower" in html
     assert (report / "decode_ms.png").exists() and (report / "module_breakdown.png").exists()
+    assert (report / "busy_gaps.png").exists()
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert "report/sweep.html" in artifacts
 

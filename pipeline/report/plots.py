@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pipeline.profiler.parts import PARTS, busy_us, gap_us, part_times
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.stepwise import Waterfall
 from pipeline.report.breakdown import breakdown
@@ -55,6 +56,63 @@ def breakdown_figure(data: dict[str, dict[str, float]], title: str):
     return fig
 
 
+def busy_gap_bars(profile: ProfileResults) -> dict[str, dict[str, tuple[float, float]]]:
+    """Phase -> `<part> captured` / `<part> eager` -> (busy ms, gap ms) per step, for every part
+    (parts.PARTS) with time on either side, largest first."""
+    sides = {"captured": profile.phases}
+    if profile.reference is not None:
+        sides["eager"] = profile.reference.phases
+    panels = {}
+    for phase in ("prefill", "decode"):
+        times = {
+            side: (
+                part_times(phases[phase].summary_stats, busy_us),
+                part_times(phases[phase].summary_stats, gap_us),
+            )
+            for side, phases in sides.items()
+            if phase in phases
+        }
+        if not times:
+            continue
+        total = {part: sum(busy[part] + gap[part] for busy, gap in times.values()) for part in PARTS}
+        shown = sorted((part for part in PARTS if total[part] > 0), key=lambda part: -total[part])
+        panels[phase] = {
+            f"{part} {side}": (busy[part] / 1000, gap[part] / 1000)
+            for part in shown
+            for side, (busy, gap) in times.items()
+        }
+    return panels
+
+
+def busy_gap_figure(panels: dict[str, dict[str, tuple[float, float]]], title: str):
+    """One panel per phase, a bar per label: busy time and, stacked on it, the gaps (ms per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="notebook")
+    busy_color, gap_color = sns.color_palette("tab10")[0], sns.color_palette("tab10")[1]
+    rows = max(len(bars) for bars in panels.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 0.32 * rows + 2.5), squeeze=False)
+    for ax, (phase, bars) in zip(axes[0], panels.items(), strict=True):
+        labels = list(bars)
+        busy = [bars[label][0] for label in labels]
+        gaps = [bars[label][1] for label in labels]
+        ax.barh(labels, busy, color=busy_color, label="busy (ops or kernels running)")
+        ax.barh(labels, gaps, left=busy, color=gap_color, label="gaps (between them)")
+        ax.invert_yaxis()
+        ax.set_title(phase)
+        ax.set_xlabel("ms per step")
+        ax.tick_params(axis="y", labelsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
 def render(
     profile: ProfileResults,
     out_dir: Path,
@@ -83,6 +141,13 @@ def render(
             fig.savefig(out_dir / f"{key}.{fmt}", dpi=110)
         plt.close(fig)
         written[key] = out_dir / f"{key}.png" if "png" in formats else out_dir / f"{key}.{formats[0]}"
+    panels = busy_gap_bars(profile)
+    if panels:
+        fig = busy_gap_figure(panels, f"Busy time and gaps per part, captured and eager ({subtitle})")
+        for fmt in formats:
+            fig.savefig(out_dir / f"busy_gaps.{fmt}", dpi=110)
+        plt.close(fig)
+        written["busy_gaps"] = out_dir / ("busy_gaps.png" if "png" in formats else f"busy_gaps.{formats[0]}")
     return written, notes
 
 

@@ -27,6 +27,7 @@ PLOT_CAPTIONS = {
     "module_breakdown": "Device time per step by module (absolute and percent)",
     "kernel_categories": "Device time per step by kernel category",
     "kernel_top": "Device time per step by kernel (top k)",
+    "busy_gaps": "Busy time and gaps per part, captured and eager, ms per step",
 }
 
 
