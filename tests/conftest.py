@@ -302,6 +302,23 @@ def layer_kernel_pct(model_stats: dict) -> float:
     return 100 * sum(_kernels(n) for n in layers) / in_stacks if in_stacks else 0.0
 
 
+def check_busy_gap_split(profile: dict) -> None:
+    """Every module with device time, in every phase of a saved profile.json and of its eager
+    reference, has its calls' span split into busy time and gaps (within 1 %) and counts launches."""
+    sides = [profile["phases"]] + ([profile["reference"]["phases"]] if "reference" in profile else [])
+    for phases in sides:
+        for name, phase in phases.items():
+            for node in _tree_nodes(phase["summary_stats"]):
+                if node["kind"] == "module" and node["device_time_us"] > 0:
+                    assert node["launches"] >= 1 and node["span_us"] >= node["busy_us"] > 0, (
+                        name,
+                        node["fqn"],
+                    )
+                    assert node["busy_us"] + node["gap_us"] == pytest.approx(
+                        node["span_us"], rel=0.01, abs=2e-3
+                    )
+
+
 def mlflow_runs(uri: str, experiment: str = "pipeline"):
     from mlflow.tracking import MlflowClient
 

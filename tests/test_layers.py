@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny, mlflow_runs, run_pipeline
+from conftest import build_tiny, check_busy_gap_split, mlflow_runs, run_pipeline
 from torch import nn
 
 from pipeline import numerics
@@ -124,7 +124,9 @@ def test_gemma3_run_reports_its_layers_by_kind(tmp_path, tracking_uri):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
-    layers = json.loads((run / "profile" / "profile.json").read_text())["layers"]
+    profile = json.loads((run / "profile" / "profile.json").read_text())
+    check_busy_gap_split(profile)
+    layers = profile["layers"]
     prefill = [r["part"] for r in layers["prefill"]]
     lm = "model.language_model.layers"
     assert prefill[prefill.index(f"{lm}.0") :][:4] == [

@@ -15,6 +15,7 @@ from pipeline.graphs import find_graphs
 from pipeline.profiler.ranges import node_stack
 from pipeline.report.run_report import headline
 from pipeline.runner import run_stage
+from pipeline.state import StageRecord
 
 QUIET = ["profile.enabled=false", "report.enabled=false", "tracking.enabled=false"]
 
@@ -86,6 +87,12 @@ def test_every_part_of_the_captured_model_is_within_tolerance(backend):
             line.startswith("numerics: decode step: all 3 parts within tolerance 1e-04")
             for line in headline(state)
         )
+        # kept for the profile's per-layer table, both phases, in forward order
+        assert [e.part for e in state.part_errors["prefill"]] == state.reference.part_order
+        assert {e.part for e in state.part_errors["decode"] if e.max_abs is not None} == read
+        assert not any("recompiles" in line for line in headline(state))
+        state.stages.append(StageRecord("generate", "done", 1.0, metrics={"capture/recompiles": 2}))
+        assert "WARNING 2 recompiles during generation" in "\n".join(headline(state))
 
 
 def _flip_rope_sign(gm, layer: str) -> int:

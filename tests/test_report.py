@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO_ROOT, mlflow_runs, run_pipeline
+from conftest import REPO_ROOT, check_busy_gap_split, mlflow_runs, run_pipeline
 
 from pipeline.profiler.comparison import _rewritten_by, compared_part, comparison
 from pipeline.profiler.parts import PARTS, kernel_times, module_slices, part_of, slice_of
@@ -154,6 +154,7 @@ def test_run_report_plots_images_and_redraw(tmp_path, tracking_uri):
     assert str(tmp_path) not in md and str(REPO_ROOT) not in md
     assert "| transforms | done |" in md and " s (table below" in md
     assert "| latency/decode_p90_ms |" in md and "| ms |" in md
+    check_busy_gap_split(json.loads((run / "profile" / "profile.json").read_text()))  # under torch-compile
     html = (run / "report" / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5  # 3 breakdowns, busy and gaps, numerics along depth
     assert "max relative difference along depth" in html
