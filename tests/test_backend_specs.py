@@ -53,7 +53,7 @@ def test_a_backend_registered_once_is_known_to_config_names_and_install(register
     assert resolve_backend(cfg, on_cuda=False) == registered.name
     assert "inductor" in run_name(cfg, registered.name)
     compiled = []
-    monkeypatch.setattr(install, "compile_module", compiled.append)
+    monkeypatch.setattr(install, "compile_module", lambda module, name: compiled.append(module))
     target = torch.nn.Linear(2, 2)
     assert install.apply(registered.name, [("lm", target)], cfg.runtime, cfg.backend, on_cuda=False) == {}
     assert compiled == [target]  # compiles, replays nothing: no runner, no cached graph asked for

@@ -33,18 +33,19 @@ class CompileLog:
 
     frames: list[FrameCompile] = field(default_factory=list)
     graph: str = ""  # the graph whose call is running
-    _installed: bool = False
+    _read: set[tuple[str, int]] = field(default_factory=set)  # (compile id, start us) of records read
     _kernels_at_start: dict[str, tuple[int, str]] = field(default_factory=dict)
     _kernels: dict[str, tuple[int, str]] = field(default_factory=dict)  # compile id -> (kernels, graph)
 
     def install(self) -> None:
-        if self._installed:
-            return
+        """The callbacks on Dynamo's handler, again after a `torch._dynamo.reset()` cleared them."""
         from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(self._start)
-        callback_handler.register_end_callback(self._end)
-        self._installed = True
+        if self._start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._start)
+            callback_handler.register_end_callback(self._end)
+            # the records of frames compiled before are no frames of ours (their ids repeat ours)
+            self._read |= {_key(r) for r in torch._dynamo.utils.get_compilation_metrics()}
 
     def _start(self, args) -> None:
         from torch._inductor import metrics
@@ -61,10 +62,12 @@ class CompileLog:
     def _collect(self) -> None:
         """Dynamo's records of the frames whose end was seen, once each, in compile order (a frame's
         record is written after its end callback, so each is read at a later one or at `since`)."""
-        seen = {f.compile_id for f in self.frames}
         for record in torch._dynamo.utils.get_compilation_metrics():
-            if record.compile_id in seen or record.compile_id not in self._kernels:
+            # compile ids start again at 0/0 after a reset: a record is its id and its start
+            key = _key(record)
+            if key in self._read or record.compile_id not in self._kernels:
                 continue
+            self._read.add(key)
             kernels, graph = self._kernels.pop(record.compile_id)
             restarts = sorted(record.restart_reasons or ())
             self.frames.append(
@@ -80,6 +83,7 @@ class CompileLog:
             )
 
     def mark(self) -> int:
+        self.install()
         self._collect()
         return len(self.frames)
 
@@ -87,6 +91,10 @@ class CompileLog:
         """The frames compiled after `mark` (a `mark()` taken earlier)."""
         self._collect()
         return self.frames[mark:]
+
+
+def _key(record) -> tuple[str, int]:
+    return record.compile_id, record.start_time_us or 0
 
 
 def _reason(restart: str) -> str:
