@@ -11,7 +11,6 @@ would not fit takes the short forms of capture and backend (`part`, `tc`: docs/m
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from pipeline.backend_specs import SPECS
 from pipeline.config import PipelineConfig
@@ -111,10 +110,34 @@ def unique(name: str, taken: set[str]) -> str:
     return f"{name}{SEPARATOR}{n}"
 
 
+# Where a run is stored and how Hydra lays out its folders: no part of what a run is
+NOT_CHOICES = ("tracking", "hydra")
+
+
+def chosen(overrides: list[str]) -> list[tuple[str, str]]:
+    """(full key, value) of each override a user gave, but where runs are stored (`tracking.*`,
+    `hydra.*`); a path value by its last name (a checkpoint folder, not this machine's path)."""
+    pairs = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key.split(".")[0] in NOT_CHOICES:
+            continue
+        pairs.append((key, _last_name(value)))
+    return pairs
+
+
+def _last_name(value: str) -> str:
+    return value.rstrip("/").rsplit("/", 1)[-1] if "/" in value else value
+
+
 def compared_params(cfg: PipelineConfig, *, backend: str, attention: str, dtype, device, text_layers: int,
-                    overrides: list[str]) -> dict[str, str]:  # fmt: skip
-    """The params a person compares runs by (the whole config is the run's config.yaml)."""
-    enabled = sorted(name for name, options in cfg.transforms.items() if _enabled(options))
+                    overrides: list[str], flat: dict[str, str]) -> dict[str, str]:  # fmt: skip
+    """The params a person compares runs by (the whole config is the run's config.yaml), and each
+    override the user gave as its own param under its full key with the value it resolved to
+    (flat: tracking.flatten_params of the config), so the runs table filters and groups by it.
+    The transforms that ran are logged once they have (`transforms_param`)."""
+    given = chosen(overrides)
     return {
         "model": cfg.model.name,
         "capture": cfg.capture.mode,
@@ -130,14 +153,17 @@ def compared_params(cfg: PipelineConfig, *, backend: str, attention: str, dtype,
         "text_layers": str(text_layers),
         "world_size": str(cfg.runtime.world_size),
         "page_size": str(cfg.runtime.attn_page_size),
-        "transforms": ",".join(enabled) if enabled else "none",
         "seed": str(cfg.seed),
-        "overrides": " ".join(overrides) or "(none)",
+        "overrides": " ".join(f"{k}={v}" for k, v in given) or "(none)",
+        **{key: _last_name(flat.get(key, value)) for key, value in given},
     }
 
 
-def _enabled(options: Any) -> bool:
-    return bool(options.get("enabled", True)) if hasattr(options, "get") else bool(options)
+def transforms_param(history) -> str:
+    """The transforms that changed the model, in the order they first did (a transform that
+    matched nothing is not one of them), or `none`."""
+    ran = [r.transform for r in history.records if r.status == "applied" and r.matches] if history else []
+    return ",".join(dict.fromkeys(ran)) or "none"
 
 
 def description(params: dict[str, str]) -> str:

@@ -29,7 +29,7 @@ from pipeline.report.run_report import headline, metrics_of
 from pipeline.stages import capture, export, generate, load, numerics, profile, report, transforms
 from pipeline.state import Job, RunState, StageRecord, StageResult
 from pipeline.sweep import SUMMARY_FILE, this_sweep
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, flatten_params
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Runner:
         return run_identity.compared_params(
             state.cfg, backend=state.backend, attention=state.attention, dtype=state.dtype,
             device=state.device, text_layers=layers if layers is not None else "?", overrides=self.overrides,
+            flat=flatten_params(state.cfg),
         )  # fmt: skip
 
     def run(self) -> RunState:
@@ -177,6 +178,10 @@ class Runner:
                 log.info("[%s] %s", name, note)
             log.info("[%s] done in %.1f s", name, record.seconds)
             self._log_result(record.metrics, result)
+            if name == "transforms":
+                self.tracker.log_params(
+                    {"transforms": run_identity.transforms_param(state.transform_history)}
+                )
         self.tracker.log_metrics({"stage/total_s": time.perf_counter() - start})
         self._log_other_ranks()
         report_page = state.run_dir / "report" / "report.html"

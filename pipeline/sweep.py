@@ -331,7 +331,7 @@ class SweepCallback(Callback):
         # The sweep's own params: what it varies and what it holds fixed (the jobs' whole configs
         # are their own runs' config.yaml).
         params = {f"sweep.{k}": ",".join(v) or "(generated)" for k, v in keys.items()}
-        params |= {f"fixed.{o.partition('=')[0].lstrip('+~')}": o.partition("=")[2] for o in fixed}
+        params |= {f"fixed.{key}": value for key, value in run_identity.chosen(fixed)}
         description = (
             f"Sweep over {' x '.join(keys) or 'one job'}"
             + "".join(f"; {k}: {', '.join(v)}" for k, v in keys.items() if v)

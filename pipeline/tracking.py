@@ -278,6 +278,17 @@ class Tracker:
                 pid,
             )
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params known only once a stage has run (a param is set once: a key not logged before)."""
+        if not self.active:
+            return
+        try:
+            from mlflow.entities import Param
+
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+        except Exception as exc:
+            self._offline("logging params", exc)
+
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Metrics at step 0, rounded (`rounded`)."""
         self._log_metric_items([(k, v, 0) for k, v in metrics.items()])

@@ -52,7 +52,9 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     assert run.info.run_name == "tiny_mistral3·part·fx"  # "partial", then "simple" do not fit 122 px
     params = run.data.params
     assert params["model"] == "tiny_mistral3" and params["text_layers"] == "2" and len(params) <= 20
-    assert params["overrides"].startswith("model=tiny_mistral3 capture=partial backend=torch-simple")
+    assert params["overrides"] == "model=tiny_mistral3 capture=partial backend=torch-simple"  # no store
+    assert not any(k.startswith("tracking") or "sqlite" in v for k, v in params.items())
+    assert "insert_cached_attention" in params["transforms"].split(",")  # logged once they ran
     tags = run.data.tags
     assert tags["capture"] == "partial" and tags["backend_resolved"] == "torch-simple"
     assert len(tags["mlflow.source.git.commit"]) == 40 and tags["mlflow.user"]
@@ -63,7 +65,7 @@ def test_partial_capture_run_is_recorded(tmp_path, tracking_uri):
     config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert "hidden_size: 64" in Path(config).read_text()
     tables = {a.path for a in client.list_artifacts(run.info.run_id, "tables")}
-    assert tables == {"tables/module_breakdown.json", "tables/kernel_categories.json"}
+    assert tables == {"tables/module_breakdown.json", "tables/kernel_categories.json", "tables/layers.json"}
     assert "tables/module_breakdown.json" in tags["mlflow.loggedArtifacts"]  # what the UI lists
     module_table = json.loads(
         Path(

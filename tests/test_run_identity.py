@@ -7,6 +7,8 @@ from conftest import compose_cfg
 
 from pipeline import run_identity as ri
 from pipeline.sweep import fixed_overrides, job_values, swept
+from pipeline.tracking import flatten_params
+from pipeline.transforms.registry import TransformHistory, TransformRecord
 
 
 def test_single_run_names_fit_the_runs_table_in_one_style():
@@ -55,16 +57,37 @@ def test_names_are_made_unique():
 
 
 def test_compared_params_are_few_and_say_what_ran():
-    cfg = compose_cfg(["model=tiny_llava", "transforms.fuse_gemms.enabled=false"])
+    overrides = ["model=tiny_llava", "backend.piecewise=true", "tracking.uri=sqlite:////tmp/x/mlflow.db",
+                 "+model.checkpoint=/data/ckpts/my_llava/", "hydra.run.dir=/tmp/run"]  # fmt: skip
+    cfg = compose_cfg(
+        ["model=tiny_llava", "backend.piecewise=true", "model.checkpoint=/data/ckpts/my_llava/"]
+    )
     params = ri.compared_params(
         cfg, backend="torch-compile", attention="torch", dtype=torch.float32, device=torch.device("cpu"),
-        text_layers=2, overrides=["model=tiny_llava"],
+        text_layers=2, overrides=overrides, flat=flatten_params(cfg),
     )  # fmt: skip
-    assert 14 <= len(params) <= 18
+    assert 14 <= len(params) <= 20
     assert params["backend"] == "auto" and params["backend_resolved"] == "torch-compile"
-    assert "fuse_gemms" not in params["transforms"].split(",") and "match_attention" in params["transforms"]
+    # each choice its own param under its full key, resolved; where runs are stored is none
+    assert params["backend.piecewise"] == "True" and params["model.checkpoint"] == "my_llava"
+    assert not any(k.startswith(("tracking", "hydra")) or "/" in v for k, v in params.items()), params
+    assert params["overrides"] == "model=tiny_llava backend.piecewise=true model.checkpoint=my_llava"
     assert all(len(v) < 500 and not v.startswith("[") for v in params.values())
     assert ri.description(params).startswith("tiny_llava (2 text layers, float32, cpu), capture=partial")
+
+
+def test_the_transforms_param_lists_what_ran_in_order():
+    history = TransformHistory(
+        [
+            TransformRecord("match_attention", "lm", "applied", matches=2),
+            TransformRecord("fuse_gemms", "lm", "applied", matches=0),
+            TransformRecord("split_piecewise", "lm", "applied", matches=1),
+            TransformRecord("match_attention", "vision", "applied", matches=1),
+            TransformRecord("onednn_linear", "model", "disabled"),
+        ]
+    )
+    assert ri.transforms_param(history) == "match_attention,split_piecewise"
+    assert ri.transforms_param(TransformHistory()) == "none"
 
 
 def test_make_ui_prints_the_classic_runs_view(tmp_path, capsys):

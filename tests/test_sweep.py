@@ -82,8 +82,7 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
         "fixed.backend": "torch-simple",
         "fixed.prompt.output_len": "4",
         "fixed.profile.decode_steps": "2",
-        "fixed.tracking.uri": tracking_uri,
-    }
+    }  # where the runs are stored is no param
     assert parent.data.metrics["sweep/jobs"] == 3 and parent.data.metrics["sweep/failed"] == 1
     assert parent.data.metrics["sweep/best_decode_ms"] <= parent.data.metrics["sweep/worst_decode_ms"]
     assert parent.data.tags["best_job"] in ("eager", "partial")
@@ -92,6 +91,9 @@ def test_sweep_parent_children_and_comparison(tmp_path, tracking_uri):
     assert status == {"eager": "FINISHED", "full": "FAILED", "partial": "FINISHED"}
     failed = next(r for r in children if r.info.status == "FAILED")
     assert failed.data.tags["failed_stage"] == "export"
+    assert "transforms" not in failed.data.params  # it failed before any transform ran
+    partial = next(r for r in children if r.info.run_name == "partial")
+    assert partial.data.params["capture"] == "partial" and "fixed.tracking.uri" not in partial.data.params
 
     report = tmp_path / "multirun" / "report"
     html = (report / "sweep.html").read_text()
