@@ -193,4 +193,4 @@ def test_a_sweep_parent_shows_each_jobs_waterfall(tmp_path, tracking_uri):
     images = {a.path for a in client.list_artifacts(parent.info.run_id, "images")}
     assert any("sweep_waterfall" in path for path in images), images
     for child in child_runs(runs, parent):
-        assert child.data.metrics["waterfall/eager/decode_ms"] > 0
+        assert child.data.metrics["waterfall/decode/00_eager_ms"] > 0

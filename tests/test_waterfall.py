@@ -53,7 +53,12 @@ def test_each_step_is_measured_in_rounds_and_the_shares_add_up():
         for phase in stepwise.PHASES:
             assert comparison[phase][-1]["eager_ms"] == steps[0].phase_ms[phase][0]
             assert comparison[phase][-1]["captured_ms"] == steps[-1].phase_ms[phase][0]
-        assert profile.metrics["waterfall/eager/decode_ms"] == steps[0].time("decode").median
+        assert profile.metrics["waterfall/decode/00_eager_ms"] == steps[0].time("decode").median
+        # one chart section per phase, the steps in order, each one's saving and share
+        last = f"waterfall/decode/{len(steps) - 1:02d}_{steps[-1].name}"
+        assert profile.metrics[f"{last}_saved_ms"] == fall.changes("decode")[-1].median
+        assert profile.metrics[f"{last}_share"] == fall.shares("decode")[-1]
+        assert "waterfall/decode/00_eager_saved_ms" not in profile.metrics
         assert (state.run_dir / "waterfall" / "waterfall.png").stat().st_size > 0
         text = (state.run_dir / "waterfall" / "waterfall.txt").read_text()
         assert "eager -> torch-compile" in text and "3 interleaved rounds" in text

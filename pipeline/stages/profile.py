@@ -334,10 +334,26 @@ def _notes(
     return notes
 
 
+def waterfall_metrics(fall: stepwise.Waterfall) -> dict[str, float]:
+    """waterfall/<phase>/<nn>_<step>_ms (the median after the step), _saved_ms (the median change
+    from the step before, > 0 a gain) and _share (of the whole change, signed), each step's order
+    in its name, so MLflow shows one chart section per phase with the steps in order."""
+    metrics = {}
+    for phase in stepwise.PHASES:
+        changes, shares = fall.changes(phase), fall.shares(phase)
+        for i, step in enumerate(fall.steps):
+            name = f"waterfall/{phase}/{i:02d}_{step.name}"
+            metrics[f"{name}_ms"] = step.time(phase).median
+            if changes[i] is not None:
+                metrics[f"{name}_saved_ms"] = changes[i].median
+                metrics[f"{name}_share"] = shares[i]
+    return metrics
+
+
 def _write_waterfall(state: RunState, result: StageResult) -> None:
-    """waterfall/: the steps as JSON and a table, the stacked-bar plot of median part times;
-    metrics waterfall/<step>/<phase>_ms (median) and _share, an MLflow table, and the table in the
-    log; what the rounds cannot vouch for as notes in the summary."""
+    """waterfall/: the steps as JSON and a table, the stacked-bar plot of median part times; metrics
+    (waterfall_metrics), an MLflow table, and the table in the log; what the rounds cannot vouch
+    for as notes in the summary."""
     fall = state.waterfall
     steps = fall.steps
     folder = state.run_dir / "waterfall"
@@ -371,10 +387,6 @@ def _write_waterfall(state: RunState, result: StageResult) -> None:
         "nodes": [s.nodes for s in steps],
         "first_drift": [", ".join(p for p, at in first.items() if at == s.name) for s in steps],
     }
-    for i, step in enumerate(steps):
-        for phase in stepwise.PHASES:
-            result.metrics[f"waterfall/{step.name}/{phase}_ms"] = step.time(phase).median
-            if shares[phase][i] is not None:
-                result.metrics[f"waterfall/{step.name}/{phase}_share"] = shares[phase][i]
+    result.metrics |= waterfall_metrics(fall)
     result.metrics["waterfall/rounds"] = fall.rounds
     result.notes += text.splitlines()
