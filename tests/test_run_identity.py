@@ -102,3 +102,13 @@ def test_make_ui_prints_the_classic_runs_view(tmp_path, capsys):
     assert f"http://127.0.0.1:5001/#/experiments/{experiment}/runs?workflowType=machine_learning" in printed
     assert main(["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 0  # no store yet
     assert "/#/experiments?workflowType=machine_learning" in capsys.readouterr().out
+
+
+def test_graph_metrics_are_named_by_role_not_path():
+    from pipeline.stages.export import graph_role
+
+    assert graph_role("model.language_model", True, ("model.language_model",)) == "language_model"
+    assert graph_role("language_model", True, ("language_model",)) == "language_model"
+    assert graph_role("", False, ("model",)) == "language_model"  # a text model captured whole
+    assert graph_role("", True, ("model.language_model",)) == "whole_model"
+    assert graph_role("model.vision_tower", True, ("model.language_model",)) == "model.vision_tower"

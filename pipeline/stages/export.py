@@ -102,10 +102,22 @@ def _export(state: RunState, paths: list[str], capture_call: dict) -> nn.Module:
     return model
 
 
+def graph_role(path: str, is_vlm: bool, language_models: tuple[str, ...]) -> str:
+    """What a captured graph is, as its metrics are named, so runs of text models and VLMs line
+    up: `language_model` (a VLM's language model wherever it sits, or a text model's whole graph),
+    `whole_model` (a VLM captured whole, capture=full), else the submodule's path
+    (capture.submodules)."""
+    if path in language_models or (not path and not is_vlm):
+        return "language_model"
+    return "whole_model" if not path else path
+
+
 def _describe(state: RunState, captured, result: StageResult) -> None:
-    """One captured graph's metrics, files (its code, its graph) and notes."""
-    result.metrics[f"graph/{captured.name}/nodes"] = captured.num_nodes
-    result.metrics[f"export/{captured.name}/torch_export_s"] = captured.export_s
+    """One captured graph's metrics (named by its role), files (its code, its graph) and notes."""
+    info = state.model_info
+    role = graph_role(captured.path, info.is_vlm, tuple(info.language_model_paths))
+    result.metrics[f"graph/{role}/nodes"] = captured.num_nodes
+    result.metrics[f"export/{role}/torch_export_s"] = captured.export_s
     result.artifacts += _write_graph_artifacts(state, captured)
     result.notes.append(
         f"captured '{captured.name}': {captured.num_nodes} nodes as exported, inputs {captured.tensor_inputs}, "
