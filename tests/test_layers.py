@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline import numerics
 from pipeline.profiler.layers import REST, Unlike, layer_kinds, layer_rows
-from pipeline.profiler.rows import PhaseStats, ProfileNode, RoofRow
+from pipeline.profiler.rows import LayerRow, PhaseStats, ProfileNode, RoofRow
 
 
 def test_gemma3_layers_are_of_the_kinds_its_config_names():
@@ -113,6 +113,24 @@ def test_parts_whose_work_differs_get_a_note_not_a_ratio():
     assert all(r.speedup is None for r in alone[:-1]) and "no eager reference" in alone[0].note
 
 
+def test_per_layer_metrics_are_a_bounded_set_that_says_which_layers():
+    from pipeline.stages.profile import LAYER_METRICS, layer_metrics
+
+    rows = [LayerRow(f"lm.layers.{i}", 1.0 + i, 2.0, None, captured_gap_ms=0.5) for i in range(40)]
+    rows.append(LayerRow("lm_head", 1.0, 1.0, 1.0))
+    metrics, note = layer_metrics({"decode": rows})
+    layers = sorted(
+        int(k.split("_")[1])
+        for k in metrics
+        if k.startswith("layers/decode/") and k.endswith("_ms") and "gap" not in k
+    )
+    assert len(layers) == LAYER_METRICS and layers[0] == 0 and layers[-1] == 39
+    assert metrics["layers/decode/layer_39_ms"] == 40.0 and metrics["layers/decode_eager/layer_39_ms"] == 2.0
+    assert note.startswith(f"per-layer metrics for {LAYER_METRICS} of 40 layers: 0, 1, 3")
+    metrics, note = layer_metrics({"decode": rows[:2]})
+    assert set(metrics) >= {"layers/decode/layer_0_ms", "layers/decode/layer_1_gap_ms"} and note == ""
+
+
 @pytest.mark.slow
 def test_gemma3_run_reports_its_layers_by_kind(tmp_path, tracking_uri):
     """A whole run of a model with sliding and global layers: the per-layer table in tables.txt,
@@ -148,3 +166,6 @@ def test_gemma3_run_reports_its_layers_by_kind(tmp_path, tracking_uri):
     )
     part, kind = table["columns"].index("part"), table["columns"].index("kind")
     assert [f"{lm}.0", "sliding_attention"] in [[row[part], row[kind]] for row in table["data"]]
+    assert mlflow_run.data.metrics["layers/decode/layer_1_ms"] == pytest.approx(
+        rows[f"{lm}.1"]["captured_ms"], rel=1e-3
+    )

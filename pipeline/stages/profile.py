@@ -22,7 +22,7 @@ from pipeline.faults import maybe_fail
 from pipeline.graphs import eager_graphs, find_graphs
 from pipeline.profiler import provenance, session, stepwise
 from pipeline.profiler.comparison import comparison
-from pipeline.profiler.layers import Unlike, layer_kinds, layer_rows
+from pipeline.profiler.layers import LAYER, Unlike, layer_kinds, layer_rows
 from pipeline.profiler.parts import category_pct, gap_us, part_times
 from pipeline.profiler.results import ProfileResults
 from pipeline.profiler.roofline import Roofs, StepShape, gemm_shapes, roofline
@@ -155,6 +155,32 @@ def part_metrics(phases: Phases, side: str) -> dict[str, float]:
     return metrics
 
 
+# At most this many decoder layers get metrics of their own (a bounded set per run); past it, layers
+# evenly spaced from the first to the last, which the profile's note names.
+LAYER_METRICS = 32
+
+
+def layer_metrics(layers: dict[str, list[LayerRow]]) -> tuple[dict[str, float], str]:
+    """layers/<phase>[_eager]/layer_<i>_ms and _gap_ms of the per-layer table's decoder layers
+    (LAYER_METRICS of them at most), and a note saying which when capped, else ''."""
+    metrics, note = {}, ""
+    for phase, rows in layers.items():
+        by_index = {int(r.part.rsplit(".", 1)[1]): r for r in rows if LAYER.match(r.part)}
+        chosen = sorted(by_index)
+        if len(chosen) > LAYER_METRICS:
+            picks = {round(i * (len(chosen) - 1) / (LAYER_METRICS - 1)) for i in range(LAYER_METRICS)}
+            chosen = [chosen[i] for i in sorted(picks)]
+            note = f"per-layer metrics for {len(chosen)} of {len(by_index)} layers: {', '.join(map(str, chosen))}"
+        for index in chosen:
+            row = by_index[index]
+            metrics[f"layers/{phase}/layer_{index}_ms"] = row.captured_ms
+            metrics[f"layers/{phase}/layer_{index}_gap_ms"] = row.captured_gap_ms
+            if row.eager_ms or row.eager_gap_ms:
+                metrics[f"layers/{phase}_eager/layer_{index}_ms"] = row.eager_ms
+                metrics[f"layers/{phase}_eager/layer_{index}_gap_ms"] = row.eager_gap_ms
+    return metrics, note
+
+
 def gap_note(results: ProfileResults) -> str:
     """The summary's line on gaps: each step's share of its span, gap-bound where over half, and
     how the comparison splits the gain."""
@@ -284,6 +310,7 @@ def _metrics(state: RunState, profiled: session.ProfiledRun, results: ProfileRes
     if results.reference is not None:
         metrics.update(part_metrics(results.reference.phases, "_eager"))
     metrics.update({f"profile/{phase}_speedup_vs_eager": x for phase, x in results.speedups().items()})
+    metrics.update(layer_metrics(results.layers)[0])
     return metrics
 
 
@@ -317,6 +344,8 @@ def _notes(
             f"inside the graphs: {spec(state.backend).sees}" + (f" ({counted} calls)" if counted else "")
         )
     notes.append(gap_note(results))
+    if capped := layer_metrics(results.layers)[1]:
+        notes.append(capped)
     if results.comparison:
         speedups = [f"{phase} {x:.2f}x" for phase, x in results.speedups().items()]
         rewrites = sorted(
