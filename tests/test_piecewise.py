@@ -151,6 +151,7 @@ def test_torch_compile_piecewise_generates_hf_tokens(name, tmp_path):
         generate = next(r for r in state.stages if r.name == "generate")
         assert generate.metrics["capture/recompiles"] == 0
         assert generate.metrics["piecewise/steps"] >= 1
+        assert not any(k.startswith("memory/cuda_graph") for k in generate.metrics)  # no CUDA graph here
         report = json.loads((tmp_path / "generation" / "piecewise.json").read_text())
         assert report["segments_run"] == "compiled by Inductor" and report["rows"]
         requests = state.workload()

@@ -350,6 +350,19 @@ def test_lookahead_keeps_tokens_and_drops_those_past_eos(capture, device):
             assert len(engine.executor.cache.free_pages) == engine.executor.cache.num_pages - 1
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_only_the_steps_read_after_the_last_launch_did_no_model_work_on_cpu(lookahead):
+    """On CPU a step runs at its launch, so each read's time holds the step launched before it; the
+    steps read after the last launch did no model work and are marked so (the decode step chart
+    leaves them out), as many as the engine runs ahead."""
+    engine, hf_config = _engine("tiny_llama3_1_8b")
+    engine.lookahead = lookahead
+    steps = engine.generate(_requests(hf_config, [5, 9], images=False), 6, SamplingParams(), seed=0).steps
+    decode = [s for s in steps if s.kind == "decode"]
+    assert [s.worked for s in decode] == [True] * (len(decode) - lookahead) + [False] * lookahead
+    assert all(s.worked for s in steps if s.kind == "prefill")
+
+
 def test_out_of_pages_is_a_clear_error():
     engine, hf_config = _engine("tiny_magistral", overrides=["runtime.kv_cache_mb=1"])
     engine.executor.cache = PagedKVCache(

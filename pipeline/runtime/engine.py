@@ -38,6 +38,9 @@ class StepTiming:
     fed: int = 0  # tokens it fed the model: a prefill's prompt tokens, one per sequence in decode
     # tokens whose keys and values its attention reads: each sequence's cache after the step, summed
     context: int = 0
+    # its time holds model work: a step was launched since the previous read, or the device runs
+    # apart from the host (on CPU a step read after the last launch ran at launch, timed before)
+    worked: bool = True
 
 
 @dataclass
@@ -162,6 +165,7 @@ class DemoLLM:
         in_flight: deque[_Step] = deque()
         order = itertools.count()  # launch order of the steps
         sync(self.device)
+        on_device, worked = self.device.type != "cpu", False
         start = read_at = time.perf_counter()
 
         def read(step: _Step) -> int:
@@ -214,6 +218,7 @@ class DemoLLM:
                 return result
             if step is not None:
                 in_flight.append(step)
+                worked = True
             # Read what running ahead allows; with nothing launched, everything (finished sequences
             # free their slots for the queue).
             while in_flight and (len(in_flight) > lookahead or step is None or after_step):
@@ -221,7 +226,12 @@ class DemoLLM:
                 kept = read(done)
                 now = time.perf_counter()
                 if done.kind == "prefill" or kept:
-                    result.steps.append(StepTiming(done.kind, now - read_at, kept, done.fed, done.context))
+                    result.steps.append(
+                        StepTiming(
+                            done.kind, now - read_at, kept, done.fed, done.context, worked or on_device
+                        )
+                    )
+                worked = False
                 if after_step:
                     after_step(done.kind)
                     now = time.perf_counter()

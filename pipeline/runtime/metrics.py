@@ -112,11 +112,14 @@ def resource_metrics(
         )
     for runner, report in zip(piecewise.runners(model), piecewise_reports, strict=True):
         piece_metrics, piece_notes = piecewise_metrics(report)
+        if not runner.use_graphs:  # padded segments without CUDA graphs: no graph memory to report
+            del piece_metrics["memory/cuda_graph_pool_mb"]
         for key, value in piece_metrics.items():  # the decode runner's share, where there is one
             metrics[key] = metrics.get(key, 0.0) + value if key.startswith(("memory/", "capture/")) else value
-        metrics["memory/cuda_graph_buffers_mb"] = (
-            metrics.get("memory/cuda_graph_buffers_mb", 0.0) + runner.buffer_bytes() / 2**20
-        )
+        if runner.use_graphs:
+            metrics["memory/cuda_graph_buffers_mb"] = (
+                metrics.get("memory/cuda_graph_buffers_mb", 0.0) + runner.buffer_bytes() / 2**20
+            )
         notes += piece_notes
     if isinstance(engine.executor, PagedExecutor):
         cache = engine.executor.cache

@@ -63,7 +63,12 @@ def run(state: RunState) -> StageResult:
         tables=tables,
         notes=notes + resource_notes,
         tags={"noisy": str(noisy).lower(), **({"noisy_reason": why} if noisy else {})},
-        steps={"latency/decode_step_ms": [1000 * s for s in runs[-1].decode_step_s]},
+        # steps whose time holds model work (StepTiming.worked)
+        steps={
+            "latency/decode_step_ms": [
+                1000 * s.seconds for s in runs[-1].steps if s.kind == "decode" and s.worked
+            ]
+        },
         workload={
             "request": [r.seq_id for r in requests],
             "prompt_tokens": [len(r.prompt) for r in requests],
