@@ -10,6 +10,7 @@ would not fit takes the short forms of capture and backend (`part`, `tc`: docs/m
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from pipeline.backend_specs import SPECS
@@ -41,6 +42,8 @@ BACKEND_KEYS = ("backend", "backend.name")  # their words are the backend's spec
 
 
 GROUPS = ("model", "capture", "backend", "attention", "runtime", "transforms")  # a value says its key
+# Switches a single run's name says when they are on (a sweep's child says each swept one, on or off)
+SWITCHES = ("backend.piecewise", "profile.waterfall")
 
 
 def text_px(text: str) -> float:
@@ -54,10 +57,13 @@ def _word(key: str, value: str, level: int) -> str:
         return forms.get(value, (value, value))[1 if level >= 1 else 0]
     if key in BACKEND_KEYS and value in SPECS:
         return SPECS[value].short if level >= 2 else SPECS[value].word
-    if key.split(".")[0] in GROUPS:
+    if key.split(".")[0] in GROUPS and key not in SWITCHES:
         return value
     leaf = key.rsplit(".", 1)[-1]
-    return f"{''.join(p[0] for p in leaf.split('_') if p) if level >= 3 else leaf}={value}"
+    short = "".join(p[0] for p in leaf.split("_") if p) if level >= 3 else leaf
+    if value.lower() in ("true", "false"):  # a switch by its name: `waterfall` / `no-waterfall`
+        return short if value.lower() == "true" else f"no-{short}"
+    return f"{short}={value}"
 
 
 def fitted(pieces: list[tuple[str, str]], budget_px: int) -> str:
@@ -71,11 +77,18 @@ def fitted(pieces: list[tuple[str, str]], budget_px: int) -> str:
 
 
 def run_name(cfg: PipelineConfig, backend: str) -> str:
-    """A single run: model, capture mode and (unless eager) the resolved backend."""
+    """A single run: model, capture mode, (unless eager) the resolved backend, and the switches on
+    (`piecewise`, `waterfall`)."""
     pieces = [("model", cfg.model.name), ("capture", cfg.capture.mode)]
     if cfg.capture.mode != "none":
         pieces.append(("backend", backend))
+    pieces += [(key, "true") for key in SWITCHES if _setting(cfg, key)]
     return fitted(pieces, TOP_LEVEL_PX)
+
+
+def _setting(cfg: PipelineConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _common_prefix(values: list[str]) -> str:
@@ -86,13 +99,32 @@ def _common_prefix(values: list[str]) -> str:
 
 def child_name(chosen: list[tuple[str, str]], swept: dict[str, list[str]]) -> str:
     """A sweep's job: its value of each swept key, in the sweep's order. Config groups (model,
-    capture, backend, attention) give the value alone, other keys `leaf=value`; a prefix all swept
-    values of a key share is left out."""
-    pieces = []
-    for key, value in chosen:
-        prefix = _common_prefix(swept.get(key, []))
-        pieces.append((key, value[len(prefix) :] if prefix and value.startswith(prefix) else value))
-    return fitted(pieces, NESTED_PX)
+    capture, backend, attention) give the value alone, switches their name or `no-<name>`
+    (`waterfall`, `no-waterfall`), other keys `leaf=value`; a prefix all swept values of a key
+    share is left out. Every job of a sweep takes the same shortening: the least at which all of
+    them fit a child's width."""
+
+    def pieces(values) -> list[tuple[str, str]]:
+        out = []
+        for key, value in values:
+            prefix = _common_prefix(swept.get(key, []))
+            out.append((key, value[len(prefix) :] if prefix and value.startswith(prefix) else value))
+        return out
+
+    keys = [key for key, _ in chosen]
+    jobs = [
+        pieces(zip(keys, combo, strict=True))
+        for combo in itertools.product(*(swept.get(k, [v]) for k, v in chosen))
+    ]
+    level = next(
+        (
+            n
+            for n in range(4)
+            if all(text_px(SEPARATOR.join(_word(k, v, n) for k, v in job)) <= NESTED_PX for job in jobs)
+        ),
+        3,
+    )
+    return SEPARATOR.join(_word(k, v, level) for k, v in pieces(chosen))
 
 
 def parent_name(swept: dict[str, list[str]]) -> str:

@@ -29,6 +29,12 @@ def test_single_run_names_fit_the_runs_table_in_one_style():
     assert (
         ri.run_name(compose_cfg(["model=qwen2_5_vl", "capture=none"]), "torch-simple") == "qwen2_5_vl·eager"
     )
+    # a switch on is said: a piecewise run is not named like a plain one
+    piecewise = compose_cfg(["model=mistral3", "backend.piecewise=true"])
+    assert ri.run_name(piecewise, "torch-simple") == "mistral3·part·fx·p"  # `piecewise` does not fit
+    assert ri.run_name(compose_cfg(["model=tiny_mistral3", "backend.piecewise=true"]), "torch-compile") == (
+        "tiny_mistral3·part·tc·p"
+    )
 
 
 def test_child_names_are_the_swept_values_without_their_shared_prefix():
@@ -48,6 +54,18 @@ def test_child_names_are_the_swept_values_without_their_shared_prefix():
     assert ri.child_name([("model", "mistral3")], {"model": ["mistral3"]}) == "mistral3"
     assert swept(["seed=range(3)"]) == {"seed": ["0", "1", "2"]}
     assert ri.parent_name(keys) == "sweep·model×capture×batch_size"
+    # switches by their name, on or off; every job of a sweep shortened alike, so they read as a set
+    keys = swept(["profile.waterfall=true,false"])
+    switch = [ri.child_name([("profile.waterfall", w)], keys) for w in ("true", "false")]
+    assert switch == ["waterfall", "no-waterfall"]
+    keys = swept(["model=tiny_mistral3,tiny_llama3_1_8b", "profile.waterfall=true,false"])
+    names = [
+        ri.child_name([("model", m), ("profile.waterfall", w)], keys)
+        for m in keys["model"]
+        for w in ("true", "false")
+    ]
+    assert names == ["mistral3·w", "mistral3·no-w", "llama3_1_8b·w", "llama3_1_8b·no-w"]
+    assert len(set(names)) == 4
 
 
 def test_names_are_made_unique():
