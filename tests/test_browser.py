@@ -44,9 +44,10 @@ def _names_fit(page, names: list[str]) -> dict[str, tuple[int, int]]:
 
 def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri, ui_server):
     """A sweep over two models and two capture modes, and one single run, as a user opens them:
-    names unique and whole in the runs table at 1600 px, the parent's summary metrics, each run's
+    names unique and whole in the runs table at 1600 and 1280 px, the parent's summary metrics, each run's
     breakdown image in the chart view, the module table of two children side by side in the
-    artifact compare view, the compare page without a params dump."""
+    artifact compare view, the compare page without a params dump and with a text model's and a
+    VLM's graph metrics on one row."""
     sync_api = pytest.importorskip("playwright.sync_api")
     if not shutil.which("chromium") and not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (.ci/run installs it)")
@@ -60,7 +61,9 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         ["-m", "model=tiny_qwen3,tiny_llava", "capture=none,partial", *common], tmp_path / "sweep"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_pipeline(["model=tiny_llava", "capture=partial", *common], tmp_path / "single")
+    proc = run_pipeline(
+        ["model=tiny_llava", "capture=partial", "prompt.batch_size=2", *common], tmp_path / "single"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
     parent = sweep_parent(runs)
@@ -90,7 +93,21 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         for child in children:
             page.get_by_text(child.info.run_name, exact=True).first.wait_for(timeout=30_000)
         assert _names_fit(page, names) == {}
+        page.set_viewport_size({"width": 1280, "height": 1000})  # a laptop's width: still whole
+        page.wait_for_timeout(1000)
+        assert _names_fit(page, names) == {}
         page.screenshot(path=SHOTS / "runs.png")
+        page.set_viewport_size({"width": 1600, "height": 1000})
+        # Each override is a param under its full key: the table filters by it
+        search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
+        search.fill("params.`prompt.batch_size` = '2'")
+        search.press("Enter")
+        page.get_by_text("tiny_llava·part·simple", exact=True).first.wait_for(timeout=30_000)
+        page.get_by_text("qwen3·eager", exact=True).first.wait_for(state="detached", timeout=30_000)
+        page.screenshot(path=SHOTS / "runs_filtered.png")
+        search.fill("")  # the views below keep the table's search: clear it
+        search.press("Enter")
+        page.get_by_text("qwen3·eager", exact=True).first.wait_for(timeout=30_000)
 
         # Chart view: each run's module breakdown image (its card expanded: MLflow 3.17 centres
         # the thumbnail in a square as wide as the chart area, below a small card's fold).
@@ -146,6 +163,9 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         for child in children:
             assert page.get_by_text(child.info.run_name).count() > 0
         assert page.get_by_text("hf_config").count() == 0
+        # a text model's graph and a VLM's language model share their metrics' names: one row
+        assert page.get_by_text("graph/language_model/nodes", exact=True).count() == 1
+        assert page.get_by_text("graph/model.language_model/nodes").count() == 0
         page.screenshot(path=SHOTS / "compare.png", full_page=True)
 
         run_id = next(c.info.run_id for c in children if c.info.run_name == "llava·partial")
