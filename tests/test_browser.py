@@ -5,6 +5,7 @@ artifacts; a two-rank tensor-parallel run's per-rank metrics and artifacts. Scre
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_pipeline(
-        ["model=tiny_llava", "capture=partial", "prompt.batch_size=2", *common], tmp_path / "single"
+        ["model=tiny_llava", "capture=partial", "prompt.batch_size=2", "profile.waterfall=true", *common],
+        tmp_path / "single",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
@@ -71,7 +73,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
     names = [r.info.run_name for r in runs]
     assert sorted(names) == sorted(
         ["sweep·model×capture", "qwen3·eager", "qwen3·partial", "llava·eager", "llava·partial",
-         "tiny_llava·part·simple"]
+         "tiny_llava·part·fx·w"]
     )  # fmt: skip
     assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 0
     assert parent.data.params["sweep.model"] == "tiny_qwen3,tiny_llava"
@@ -102,7 +104,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
         search.fill("params.`prompt.batch_size` = '2'")
         search.press("Enter")
-        page.get_by_text("tiny_llava·part·simple", exact=True).first.wait_for(timeout=30_000)
+        page.get_by_text("tiny_llava·part·fx·w", exact=True).first.wait_for(timeout=30_000)
         page.get_by_text("qwen3·eager", exact=True).first.wait_for(state="detached", timeout=30_000)
         page.screenshot(path=SHOTS / "runs_filtered.png")
         search.fill("")  # the views below keep the table's search: clear it
@@ -146,6 +148,20 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         for metric in ("layers/decode/mlp_ms", "layers/decode_eager/mlp_ms"):
             page.get_by_text(metric, exact=True).first.wait_for(timeout=60_000)
         page.screenshot(path=SHOTS / "chart_view_layers.png")
+
+        # The waterfall: one chart section per phase, a chart per step in the steps' order
+        page.get_by_placeholder("Search metric charts").fill("waterfall/decode")
+        page.get_by_text("waterfall/decode/00_eager_ms", exact=True).first.wait_for(timeout=60_000)
+        single_run = next(r for r in runs if r.info.run_name == "tiny_llava·part·fx·w")
+        steps = [k for k in single_run.data.metrics if k.startswith("waterfall/decode/")]
+        assert {"waterfall/decode/00_eager_ms", "waterfall/decode/01_graph_and_cache_saved_ms"} <= set(steps)
+        section = page.get_by_text(re.compile(rf"^waterfall/decode\s*\({len(steps)}\)$"))
+        assert (
+            section.count() >= 1
+            and page.get_by_text(re.compile(r"^waterfall/decode/\d\d_\w+ \(")).count() == 0
+        )
+        page.wait_for_timeout(2000)
+        page.screenshot(path=SHOTS / "chart_view_waterfall.png", full_page=True)
 
         # Artifact compare: the module tables (log_table) of one model's two capture modes.
         compare_module_tables(
