@@ -91,6 +91,10 @@ def advance(state: RunState, until: str) -> RunState:
     return state
 
 
+# At most this long rank 0 waits for another rank's summary.json before logging its folder
+OTHER_RANKS_WAIT_S = 60.0
+
+
 class Runner:
     """A whole run of a job: every stage in order, each logged and tracked, a failure recorded."""
 
@@ -183,7 +187,7 @@ class Runner:
                     {"transforms": run_identity.transforms_param(state.transform_history)}
                 )
         self.tracker.log_metrics({"stage/total_s": time.perf_counter() - start})
-        self._log_other_ranks()
+        self._log_other_ranks(wait_s=min(state.cfg.runtime.collective_timeout_s, OTHER_RANKS_WAIT_S))
         report_page = state.run_dir / "report" / "report.html"
         for line in headline(state, report_page if report_page.exists() else None):
             log.info("summary: %s", line)
@@ -231,12 +235,18 @@ class Runner:
         if self.rank is not None:
             parallel.stop_signals()
 
-    def _log_other_ranks(self) -> None:
+    def _log_other_ranks(self, wait_s: float = 0.0) -> None:
         """Rank 0's MLflow run holds every rank's folder (`rank<k>/`) and traces (traces/<phase>/
-        rank<k>.json, written once the ranks met): one run per job."""
+        rank<k>.json, written once the ranks met): one run per job. wait_s: how long to wait for a
+        rank to end (its summary.json) before its folder is logged as it is; the ranks met in the
+        report stage, so the others are writing their last files."""
         if self.rank is not None and self.rank.rank == 0:
             for other in range(1, self.rank.world):
-                self.tracker.log_artifact(parallel.rank_dir(self.state.run_dir, other))
+                folder = parallel.rank_dir(self.state.run_dir, other)
+                deadline = time.monotonic() + wait_s
+                while not (folder / SUMMARY_FILE).exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self.tracker.log_artifact(folder)
             self.tracker.log_artifact(self.state.run_dir / "traces")
 
     def _fail(self, stage: str, cause: str, status: str) -> None:
