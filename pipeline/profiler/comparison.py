@@ -160,13 +160,15 @@ def comparison(
             )
             rows.append(group)
         rows.sort(key=lambda r: -(r.captured_ms + r.eager_ms + r.captured_gap_ms + r.eager_gap_ms))
-        rows.append(compared_part("total", *_sides(_step_times(captured[phase]), _step_times(eager[phase]))))
+        rows.append(compared_part("total", *_sides(step_times(captured[phase]), step_times(eager[phase]))))
         out[phase] = rows
     return out
 
 
-def _step_times(phase: PhaseStats) -> tuple[float, float, float]:
-    """(device, busy, gap) us of the whole step."""
+def step_times(phase: PhaseStats | None) -> tuple[float, float, float]:
+    """(device, busy, gap) us of the whole step; zeros for no phase."""
+    if phase is None:
+        return 0.0, 0.0, 0.0
     root = phase.model_stats
     return phase.device_time_us, root.busy_us, root.gap_us
 

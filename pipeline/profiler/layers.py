@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pipeline.profiler.comparison import compared_part
+from pipeline.profiler.comparison import compared_part, step_times
 from pipeline.profiler.parts import MEASURABLE_US
 from pipeline.profiler.rows import LayerRow, Phases, PhaseStats, ProfileNode, RoofRow
 from pipeline.profiler.tree import summary_name
@@ -52,13 +52,14 @@ def layer_kinds(model: nn.Module, parts: list[str], layer_types: list[str] | Non
     return kinds
 
 
-def _find(root: ProfileNode, fqn: str) -> ProfileNode | None:
-    return next((n for n in root.walk() if n.kind == "module" and n.fqn == fqn), None)
+def _modules(phase: PhaseStats | None) -> dict[str, ProfileNode]:
+    """A phase's model-tree modules by qualified name ({} for no phase), built once per table."""
+    return {n.fqn: n for n in phase.model_stats.walk() if n.kind == "module"} if phase is not None else {}
 
 
-def _times(phase: PhaseStats | None, fqn: str) -> tuple[float, float, float]:
-    """(device, busy, gap) us of one module instance in a phase's model tree, 0 where absent."""
-    node = _find(phase.model_stats, fqn) if phase is not None else None
+def _times(modules: dict[str, ProfileNode], fqn: str) -> tuple[float, float, float]:
+    """(device, busy, gap) us of one module instance (_modules), 0 where absent."""
+    node = modules.get(fqn)
     return (node.device_time_us, node.busy_us, node.gap_us) if node is not None else (0.0, 0.0, 0.0)
 
 
@@ -149,10 +150,11 @@ def layer_rows(
     each kind's layers followed by a row summing them), the rest of the step, and the total.
     errors: part -> (max abs, max rel, first past tolerance), this phase's numerics."""
     ours, theirs = captured[phase], eager.get(phase) if eager is not None else None
+    ours_modules, theirs_modules = _modules(ours), _modules(theirs)
 
     def row(name: str, kind: str, members: list[str], note: str) -> LayerRow:
-        mine = [sum(_times(ours, p)[i] for p in members) for i in range(3)]
-        other = [sum(_times(theirs, p)[i] for p in members) for i in range(3)]
+        mine = [sum(_times(ours_modules, p)[i] for p in members) for i in range(3)]
+        other = [sum(_times(theirs_modules, p)[i] for p in members) for i in range(3)]
         compared = compared_part(name, mine[0], other[0], tuple(mine[1:]), tuple(other[1:]))
         if theirs is None:
             compared.speedup, compared.note = None, "no eager reference (profile.reference=none)"
@@ -163,10 +165,10 @@ def layer_rows(
     rows = []
     for kind, members in _groups(parts, kinds):
         for part in members:
-            ran = any(_times(side, part)[0] >= MEASURABLE_US for side in (ours, theirs))
+            ran = any(_times(side, part)[0] >= MEASURABLE_US for side in (ours_modules, theirs_modules))
             if not ran and part not in errors:  # a part this phase does not run (a vision tower's decode)
                 continue
-            seen = _times(ours, part)[0] >= MEASURABLE_US
+            seen = _times(ours_modules, part)[0] >= MEASURABLE_US
             missing = "" if seen else "not seen in the profile (its work is inside a graph's own time)"
             layer = row(part, kind or "", [part], unlike.note(part) or missing)
             layer.pct_of_roof = _roof_pct(part, layer.captured_ms, roofs, parts, bool(kinds))
@@ -177,7 +179,7 @@ def layer_rows(
             rows.append(row(f"{kind} layers ({len(members)})", kind, members, "; ".join(notes)))
     counted = [r for r in rows if r.part in parts]
     rest = row(REST, "", [], "")
-    whole = _step(ours), _step(theirs)
+    whole = step_times(ours), step_times(theirs)
     for field_, side, index in (
         ("captured_ms", 0, 0), ("captured_busy_ms", 0, 1), ("captured_gap_ms", 0, 2),
         ("eager_ms", 1, 0), ("eager_busy_ms", 1, 1), ("eager_gap_ms", 1, 2),
@@ -186,9 +188,3 @@ def layer_rows(
     rest.note = "outside the parts: embeddings, the final norm, the engine's own work, the time between parts"
     total = compared_part("total", whole[0][0], whole[1][0], whole[0][1:], whole[1][1:])
     return [*rows, rest, LayerRow(**vars(total))]
-
-
-def _step(phase: PhaseStats | None) -> tuple[float, float, float]:
-    if phase is None:
-        return 0.0, 0.0, 0.0
-    return phase.device_time_us, phase.model_stats.busy_us, phase.model_stats.gap_us
