@@ -20,6 +20,7 @@ from pipeline.devices import dtype_name
 SEPARATOR = "·"
 TOP_LEVEL_PX = 122  # the run-name cell's text width, top-level run
 NESTED_PX = 98  # a child under its expanded parent
+LEVELS = 5  # shortening levels of a name (_word)
 
 # Glyph advance widths in px of the UI's 12 px font, as Chromium measures them here (canvas
 # measureText); other characters count as the widest.
@@ -52,7 +53,8 @@ def text_px(text: str) -> float:
 
 def _word(key: str, value: str, level: int) -> str:
     """A piece of a name at shortening level 0 (full words), 1 (capture short), 2 (backend short),
-    3 (a plain key by its initials: batch_size=4 -> bs=4)."""
+    3 (a plain key by its initials: batch_size=4 -> bs=4), 4 (a switch that is off left out, as a
+    single run's name leaves it out: `w`, nothing)."""
     if forms := _WORDS.get(key):
         return forms.get(value, (value, value))[1 if level >= 1 else 0]
     if key in BACKEND_KEYS and value in SPECS:
@@ -62,15 +64,21 @@ def _word(key: str, value: str, level: int) -> str:
     leaf = key.rsplit(".", 1)[-1]
     short = "".join(p[0] for p in leaf.split("_") if p) if level >= 3 else leaf
     if value.lower() in ("true", "false"):  # a switch by its name: `waterfall` / `no-waterfall`
-        return short if value.lower() == "true" else f"no-{short}"
+        if value.lower() == "true":
+            return short
+        return "" if level >= 4 else f"no-{short}"
     return f"{short}={value}"
+
+
+def _joined(pieces: list[tuple[str, str]], level: int) -> str:
+    return SEPARATOR.join(word for k, v in pieces if (word := _word(k, v, level)))
 
 
 def fitted(pieces: list[tuple[str, str]], budget_px: int) -> str:
     """(key, value) pieces as a name: the least shortened one that fits the budget (a model name
     too long for the column on its own still gets cut)."""
-    for level in range(4):
-        name = SEPARATOR.join(_word(k, v, level) for k, v in pieces)
+    for level in range(LEVELS - 1):  # a single run's switches are on: level 4 changes nothing
+        name = _joined(pieces, level)
         if text_px(name) <= budget_px:
             break
     return name
@@ -102,7 +110,7 @@ def child_name(chosen: list[tuple[str, str]], swept: dict[str, list[str]]) -> st
     capture, backend, attention) give the value alone, switches their name or `no-<name>`
     (`waterfall`, `no-waterfall`), other keys `leaf=value`; a prefix all swept values of a key
     share is left out. Every job of a sweep takes the same shortening: the least at which all of
-    them fit a child's width."""
+    them fit a child's width and stay distinct (the most that keeps them distinct when none fits)."""
 
     def pieces(values) -> list[tuple[str, str]]:
         out = []
@@ -116,20 +124,29 @@ def child_name(chosen: list[tuple[str, str]], swept: dict[str, list[str]]) -> st
         pieces(zip(keys, combo, strict=True))
         for combo in itertools.product(*(swept.get(k, [v]) for k, v in chosen))
     ]
-    level = next(
-        (
-            n
-            for n in range(4)
-            if all(text_px(SEPARATOR.join(_word(k, v, n) for k, v in job)) <= NESTED_PX for job in jobs)
-        ),
-        3,
-    )
-    return SEPARATOR.join(_word(k, v, level) for k, v in pieces(chosen))
+
+    def distinct(level: int) -> bool:
+        names = [_joined(job, level) for job in jobs]
+        return all(names) and len(set(names)) == len(names)
+
+    readable = [n for n in range(LEVELS) if distinct(n)] or [0]
+    fits = [n for n in readable if all(text_px(_joined(job, n)) <= NESTED_PX for job in jobs)]
+    level = (fits or readable)[0 if fits else -1]
+    return _joined(pieces(chosen), level)
 
 
 def parent_name(swept: dict[str, list[str]]) -> str:
-    """A sweep's parent: `sweep·model×capture`."""
-    return f"sweep{SEPARATOR}" + "×".join(k.rsplit(".", 1)[-1] for k in swept)
+    """A sweep's parent: `sweep·model×capture`; past a top-level run's width, a key outside the
+    config groups by its initials (`sweep·model×w×p` for model x waterfall x piecewise)."""
+
+    def key_word(key: str, short: bool) -> str:
+        leaf = key.rsplit(".", 1)[-1]
+        if not short or key.split(".")[0] in GROUPS and key not in SWITCHES:
+            return leaf
+        return "".join(p[0] for p in leaf.split("_") if p)
+
+    full, short = ("sweep" + SEPARATOR + "×".join(key_word(k, s) for k in swept) for s in (False, True))
+    return full if text_px(full) <= TOP_LEVEL_PX else short
 
 
 def unique(name: str, taken: set[str]) -> str:

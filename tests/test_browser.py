@@ -43,40 +43,45 @@ def _names_fit(page, names: list[str]) -> dict[str, tuple[int, int]]:
     return cut
 
 
+# The sweep's eight children: two models (a text model whose name is long, a VLM) x waterfall x
+# piecewise; `llama3_1_8b·no-w·no-p` would not fit a child's 98 px, so a switch that is off is left out
+CHILDREN = [f"{m}{w}{p}" for m in ("llama3_1_8b", "llava") for w in ("·w", "") for p in ("·p", "")]
+
+
+@pytest.mark.timeout(1800)  # eight compiled jobs, four with a waterfall: ~2.5 min here, x3 for a slow host
 def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri, ui_server):
-    """A sweep over two models and two capture modes, and one single run, as a user opens them:
-    names unique and whole in the runs table at 1600 and 1280 px, the parent's summary metrics, each run's
-    breakdown image in the chart view, the module table of two children side by side in the
-    artifact compare view, the compare page without a params dump and with a text model's and a
-    VLM's graph metrics on one row."""
+    """A sweep over model x profile.waterfall x backend.piecewise, as a user opens it: names
+    unique and whole in the runs table at 1600 and 1280 px, the table filtered by a swept override
+    and grouped by each swept key, each run's breakdown image in the chart view, the waterfall's
+    steps in one chart section, the module table of two children side by side in the artifact
+    compare view, the compare page without a params dump and with a text model's and a VLM's graph
+    metrics on one row."""
     sync_api = pytest.importorskip("playwright.sync_api")
     if not shutil.which("chromium") and not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (.ci/run installs it)")
+    sweep = [
+        "model=tiny_llama3_1_8b,tiny_llava",
+        "profile.waterfall=true,false",
+        "backend.piecewise=true,false",
+    ]
     common = [
-        "backend=torch-simple",
+        "capture=partial",
+        "backend=torch-compile",
         "prompt.output_len=4",
         "profile.decode_steps=2",
+        "profile.waterfall_rounds=2",
+        "profile.kernel_provenance=false",  # one compile per graph: the UI is what is checked here
         f"tracking.uri={tracking_uri}",
     ]
-    proc = run_pipeline(
-        ["-m", "model=tiny_qwen3,tiny_llava", "capture=none,partial", *common], tmp_path / "sweep"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_pipeline(
-        ["model=tiny_llava", "capture=partial", "prompt.batch_size=2", "profile.waterfall=true", *common],
-        tmp_path / "single",
-    )
+    proc = run_pipeline(["-m", *sweep, *common], tmp_path / "sweep", timeout=1500)
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, runs = mlflow_runs(tracking_uri)
     parent = sweep_parent(runs)
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     names = [r.info.run_name for r in runs]
-    assert sorted(names) == sorted(
-        ["sweep·model×capture", "qwen3·eager", "qwen3·partial", "llava·eager", "llava·partial",
-         "tiny_llava·part·fx·w"]
-    )  # fmt: skip
-    assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed"] == 0
-    assert parent.data.params["sweep.model"] == "tiny_qwen3,tiny_llava"
+    assert sorted(names) == sorted(["sweep·model×w×p", *CHILDREN])
+    assert parent.data.metrics["sweep/jobs"] == 8 and parent.data.metrics["sweep/failed"] == 0
+    assert parent.data.params["sweep.model"] == "tiny_llama3_1_8b,tiny_llava"
     experiment = parent.info.experiment_id
     SHOTS.mkdir(parents=True, exist_ok=True)
 
@@ -100,16 +105,16 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         assert _names_fit(page, names) == {}
         page.screenshot(path=SHOTS / "runs.png")
         page.set_viewport_size({"width": 1600, "height": 1000})
-        # Each override is a param under its full key: the table filters by it
+        # Each override is a param under its full key: the table filters by a swept one
         search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
-        search.fill("params.`prompt.batch_size` = '2'")
+        search.fill("params.`profile.waterfall` = 'True'")
         search.press("Enter")
-        page.get_by_text("tiny_llava·part·fx·w", exact=True).first.wait_for(timeout=30_000)
-        page.get_by_text("qwen3·eager", exact=True).first.wait_for(state="detached", timeout=30_000)
+        page.get_by_text("llava·w·p", exact=True).first.wait_for(timeout=30_000)
+        page.get_by_text("llava·p", exact=True).first.wait_for(state="detached", timeout=30_000)
         page.screenshot(path=SHOTS / "runs_filtered.png")
         search.fill("")  # the views below keep the table's search: clear it
         search.press("Enter")
-        page.get_by_text("qwen3·eager", exact=True).first.wait_for(timeout=30_000)
+        page.get_by_text("llava·p", exact=True).first.wait_for(timeout=30_000)
 
         # Chart view: each run's module breakdown image (its card expanded: MLflow 3.17 centres
         # the thumbnail in a square as wide as the chart area, below a small card's fold).
@@ -152,9 +157,8 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         # The waterfall: one chart section per phase, a chart per step in the steps' order
         page.get_by_placeholder("Search metric charts").fill("waterfall/decode")
         page.get_by_text("waterfall/decode/00_eager_ms", exact=True).first.wait_for(timeout=60_000)
-        single_run = next(r for r in runs if r.info.run_name == "tiny_llava·part·fx·w")
-        steps = [k for k in single_run.data.metrics if k.startswith("waterfall/decode/")]
-        assert {"waterfall/decode/00_eager_ms", "waterfall/decode/01_graph_and_cache_saved_ms"} <= set(steps)
+        steps = {k for r in children for k in r.data.metrics if k.startswith("waterfall/decode/")}
+        assert {"waterfall/decode/00_eager_ms", "waterfall/decode/01_graph_and_cache_saved_ms"} <= steps
         section = page.get_by_text(re.compile(rf"^waterfall/decode\s*\({len(steps)}\)$"))
         assert (
             section.count() >= 1
@@ -165,7 +169,11 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
 
         # Artifact compare: the module tables (log_table) of one model's two capture modes.
         compare_module_tables(
-            page, runs_view, parent.info.run_name, "tiny_qwen3", ["qwen3·eager", "qwen3·partial"]
+            page,
+            runs_view,
+            parent.info.run_name,
+            "params.model = 'tiny_llama3_1_8b' and params.`profile.waterfall` = 'False'",
+            ["llama3_1_8b·p", "llama3_1_8b"],
         )
         page.set_viewport_size({"width": 2200, "height": 1000})  # both runs' columns in the picture
         page.wait_for_timeout(1500)
@@ -175,16 +183,19 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         # The compare page: metrics side by side, params a person compares (no hf_config dump).
         ids = json.dumps([c.info.run_id for c in children])
         page.goto(f"{ui_server}/#/compare-runs?runs={ids}&experiments={json.dumps([experiment])}")
-        page.get_by_text("latency/decode_ms").first.wait_for(timeout=60_000)
+        page.get_by_text("Run details").first.wait_for(timeout=60_000)
         for child in children:
             assert page.get_by_text(child.info.run_name).count() > 0
         assert page.get_by_text("hf_config").count() == 0
-        # a text model's graph and a VLM's language model share their metrics' names: one row
+        # a text model's graph and a VLM's language model share their metrics' names: one row (no
+        # child logs it by the graph's path)
+        assert _scrolled_to(page, "graph/language_model/nodes")  # the rows are in name order
         assert page.get_by_text("graph/language_model/nodes", exact=True).count() == 1
-        assert page.get_by_text("graph/model.language_model/nodes").count() == 0
+        assert _scrolled_to(page, "latency/decode_ms")
+        assert not any("graph/model.language_model/nodes" in c.data.metrics for c in children)
         page.screenshot(path=SHOTS / "compare.png", full_page=True)
 
-        run_id = next(c.info.run_id for c in children if c.info.run_name == "llava·partial")
+        run_id = next(c.info.run_id for c in children if c.info.run_name == "llava·p")
         page.goto(
             f"{ui_server}/#/experiments/{experiment}/runs/{run_id}/artifacts/plots/module_breakdown.png"
         )
@@ -192,7 +203,67 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         image.wait_for(timeout=60_000)
         assert _image_loads(page, image, min_width=500)
         page.screenshot(path=SHOTS / "artifact_plot.png")
+
+        # The runs table grouped by each swept key in turn (MLflow adds each to the grouping), the
+        # artifact view's search cleared
+        page.goto(runs_view)
+        page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
+        close_assistant(page)
+        search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
+        search.fill("")
+        search.press("Enter")
+        page.get_by_text("9 matching runs").wait_for(timeout=30_000)
+        expected = [  # group label -> runs in it, after each key is added
+            {"False": 4, "True": 4},
+            {f"profile.waterfall: {w}, backend.piecewise: {p}": 2 for w in ("False", "True") for p in ("False", "True")},
+            {f"profile.waterfall: {w}, backend.piecewise: {p}, model: {m}": 1
+             for w in ("False", "True") for p in ("False", "True") for m in ("tiny_llama3_1_8b", "tiny_llava")},
+        ]  # fmt: skip
+        for key, groups in zip(("profile.waterfall", "backend.piecewise", "model"), expected, strict=True):
+            assert _grouped_by(page, key) == groups, key
+            page.screenshot(path=SHOTS / f"runs_grouped_{key.rsplit('.', 1)[-1]}.png")
+        assert _names_fit(page, CHILDREN) == {}
         browser.close()
+
+
+def _grouped_by(page, key: str) -> dict[str, int]:
+    """Add the param `key` to the runs table's grouping; each group's label -> its number of runs
+    (the sweep's parent, without the param, is MLflow's "Additional runs")."""
+    page.get_by_text("Group by").first.click()
+    page.get_by_placeholder("Search").last.fill(key)
+    page.get_by_role("menuitemcheckbox", name=key, exact=True).last.click()  # params come after tags
+    page.keyboard.press("Escape")
+    rows = page.locator("[role=row]").filter(has_text="Group: ")
+    rows.first.wait_for(timeout=30_000)
+    page.wait_for_timeout(1500)
+    groups = {}
+    for text in rows.all_inner_texts():
+        label, count = re.search(r"Group: (.+?)\s+(\d+)\s", text + " ").groups()
+        groups[label.strip()] = int(count)
+    return groups
+
+
+# The compare page's tables are virtualised (React Virtualized): a row is in the page only while
+# it is scrolled into its table's 300 px window
+_SCROLL_TABLES = """(step) => {
+    const grids = [...document.querySelectorAll('.ReactVirtualized__Grid')];
+    for (const grid of grids.filter(g => g.scrollHeight > g.clientHeight)) {
+        grid.scrollTop += step;
+        grid.dispatchEvent(new Event('scroll'));
+    }
+}"""
+
+
+def _scrolled_to(page, text: str, steps: int = 200) -> bool:
+    """Whether a row reading `text` appears while the compare page's tables scroll down (the page
+    scrolled first: the tables render once in view)."""
+    page.mouse.wheel(0, 3000)
+    for _ in range(steps):
+        if page.get_by_text(text, exact=True).count():
+            return True
+        page.evaluate(_SCROLL_TABLES, 250)
+        page.wait_for_timeout(150)
+    return False
 
 
 def _image_loads(page, image, min_width: int, timeout_ms: int = 60_000) -> bool:
@@ -236,14 +307,17 @@ def _select(page, opener: str, wanted: set[str]) -> None:
     page.keyboard.press("Escape")
 
 
-def compare_module_tables(page, runs_view: str, parent_name: str, model: str, children: list[str]) -> None:
-    """The artifact compare view on one model's runs: its module table, rows phase x module,
-    device ms per run side by side."""
+def compare_module_tables(
+    page, runs_view: str, parent_name: str, search_for: str, children: list[str]
+) -> None:
+    """The artifact compare view on the runs a search finds: their module table, rows phase x module,
+    device ms per run side by side (the engine's `demollm.step_inputs` among them: every run has it, a
+    compiled graph without kernel provenance has no lm_head row)."""
     page.goto(f"{runs_view}&compareRunsMode=ARTIFACT")
     page.get_by_text(parent_name).first.wait_for(timeout=60_000)
     close_assistant(page)
     search = page.get_by_placeholder('metrics.rmse < 1 and params.model = "tree"')
-    search.fill(f"params.model = '{model}'")
+    search.fill(search_for)
     search.press("Enter")
     page.get_by_text(f"{len(children) + 1} matching runs").wait_for(timeout=30_000)  # and the parent
     if page.get_by_role("link", name=children[0], exact=True).count() == 0:  # folded under the parent
@@ -252,7 +326,7 @@ def compare_module_tables(page, runs_view: str, parent_name: str, model: str, ch
     _select(page, "Table:", {"tables/module_breakdown.json"})
     _select(page, "Group by:", {"phase", "module"})
     _select(page, "Compare:", {"device_ms"})
-    page.get_by_text("lm_head", exact=True).first.wait_for(timeout=30_000)
+    page.get_by_text("demollm.step_inputs", exact=True).first.wait_for(timeout=30_000)
     for child in children:  # in the runs list and as a column of the table
         assert page.get_by_role("link", name=child, exact=True).count() >= 2
 

@@ -53,7 +53,8 @@ def test_child_names_are_the_swept_values_without_their_shared_prefix():
     # one model swept: nothing to leave out
     assert ri.child_name([("model", "mistral3")], {"model": ["mistral3"]}) == "mistral3"
     assert swept(["seed=range(3)"]) == {"seed": ["0", "1", "2"]}
-    assert ri.parent_name(keys) == "sweep·model×capture×batch_size"
+    assert ri.parent_name(keys) == "sweep·model×capture×bs"  # `batch_size` would not fit 122 px
+    assert ri.parent_name({"model": [], "seed": []}) == "sweep·model×seed"
     # switches by their name, on or off; every job of a sweep shortened alike, so they read as a set
     keys = swept(["profile.waterfall=true,false"])
     switch = [ri.child_name([("profile.waterfall", w)], keys) for w in ("true", "false")]
@@ -64,8 +65,24 @@ def test_child_names_are_the_swept_values_without_their_shared_prefix():
         for m in keys["model"]
         for w in ("true", "false")
     ]
-    assert names == ["mistral3·w", "mistral3·no-w", "llama3_1_8b·w", "llama3_1_8b·no-w"]
-    assert len(set(names)) == 4
+    # `llama3_1_8b·no-w` is 98.06 px, past a child's 98: a switch that is off is left out
+    assert names == ["mistral3·w", "mistral3", "llama3_1_8b·w", "llama3_1_8b"]
+    keys = swept(["model=tiny_mistral3,tiny_llama3_1_8b", "profile.waterfall=true,false",
+                  "backend.piecewise=true,false"])  # fmt: skip
+    names = [
+        ri.child_name([("model", m), ("profile.waterfall", w), ("backend.piecewise", p)], keys)
+        for m in keys["model"]
+        for w in ("true", "false")
+        for p in ("true", "false")
+    ]
+    assert names[:4] == ["mistral3·w·p", "mistral3·w", "mistral3·p", "mistral3"]
+    assert len(set(names)) == 8 and all(ri.text_px(n) <= ri.NESTED_PX for n in names)
+    # names that do not fit stay distinct: no switch left out where two switches share an initial
+    keys = {"profile.waterfall": ["true", "false"], "a.warm": ["true", "false"],
+            "prompt.output_len": ["1000000001000000001"]}  # fmt: skip
+    names = {ri.child_name([("profile.waterfall", w), ("a.warm", v), ("prompt.output_len", "1000000001000000001")],
+                           keys) for w in ("true", "false") for v in ("true", "false")}  # fmt: skip
+    assert len(names) == 4 and "w·no-w·ol=1000000001000000001" in names
 
 
 def test_names_are_made_unique():
