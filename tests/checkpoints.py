@@ -31,7 +31,7 @@ def save_checkpoint(
         return folder
     config = model.config
     tokenizer = build_tokenizer(config)
-    processor = build_image_processor(config) if getattr(config, "vision_config", None) else None
+    processor = build_image_processor(config)
     tokenizer.save_pretrained(folder)
     if processor is not None:
         processor.save_pretrained(folder)

@@ -98,15 +98,40 @@ def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(
 
 
 def test_whether_a_model_takes_images_comes_from_its_class():
-    """Fuyu embeds image patches with one linear layer and has no vision_config: still a VLM (its
-    forward takes image_patches), whose images are refused for want of sizes rather than left out;
-    Gemma 3's text-only config is no VLM although Gemma 3 is a VLM family."""
-    from transformers import FuyuConfig, Gemma3TextConfig, LlamaConfig, Qwen3VLConfig
+    """Fuyu embeds image patches with one linear layer and has no vision_config: still a VLM, its
+    images cut into patches by its own rule; Chameleon (VQ codes, no vision_config, no rule here)
+    is a VLM whose images are refused for want of sizes rather than left out; Gemma 3's text-only
+    config is no VLM although Gemma 3 is a VLM family."""
+    from transformers import ChameleonConfig, FuyuConfig, Gemma3TextConfig, LlamaConfig, Qwen3VLConfig
 
     assert zoo.is_vlm(FuyuConfig()) and getattr(FuyuConfig(), "vision_config", None) is None
+    assert images.unsupported(FuyuConfig()) is None
     assert zoo.is_vlm(Qwen3VLConfig())
     assert not zoo.is_vlm(LlamaConfig()) and not zoo.is_vlm(Gemma3TextConfig())
-    assert "no vision_config" in images.unsupported(FuyuConfig())
+    assert "no vision_config" in images.unsupported(ChameleonConfig())
+
+
+def test_fuyus_patches_are_its_processors():
+    """Fuyu's images without its Processor (the generic layout, the export's example call): the
+    patches, row by row, and their count equal what FuyuProcessor makes of the same image, with
+    either flavour of its image processor (FuyuProcessor itself runs with the torchvision one)."""
+    import transformers
+
+    from pipeline.models.families import build_tokenizer
+
+    config = zoo.build_hf_config(compose_cfg(["model=tiny_fuyu"]).model)
+    image = images.synthetic_image(60, torch.Generator().manual_seed(0)).resize((90, 60))
+    patch = {"height": 14, "width": 14}
+    made = transformers.FuyuProcessor(
+        image_processor=transformers.FuyuImageProcessor(patch_size=patch), tokenizer=build_tokenizer(config)
+    )(text=["a"], images=[image], return_tensors="pt")
+    for flavour in (transformers.FuyuImageProcessorPil, transformers.FuyuImageProcessor):
+        batch = images.preprocess(
+            config, [image], torch.float32, torch.device("cpu"), flavour(patch_size=patch)
+        )
+        assert batch.grids == [(5, 7)] and batch.tokens_per_image == [35]
+        diff = (batch.kwargs["pixel_values"] - made["image_patches"]).abs().max()
+        assert diff < 1e-6, (flavour, diff)
 
 
 def test_images_reach_the_language_model_by_features_or_by_cross_attention():

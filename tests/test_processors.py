@@ -21,7 +21,7 @@ from pipeline.jobs import check_config
 from pipeline.models import meta, zoo
 from pipeline.models.families import family_processor
 from pipeline.models.images import default_image_size, synthetic_image
-from pipeline.models.processor import processed
+from pipeline.models.processor import forward_names, processed
 from pipeline.runtime.engine import DemoLLM
 from pipeline.runtime.requests import build_requests, sources_of
 from pipeline.runtime.sampling import SamplingParams
@@ -59,9 +59,12 @@ PROCESSOR_FAMILIES = [
     "tiny_ovis2",
     "tiny_lfm2_vl",
     "tiny_deepseek_vl_hybrid",
+    "tiny_fuyu",
 ]
 # Processors that refuse a text without images (PaliGemma's): their batch is the image requests
 NEEDS_IMAGES = {"tiny_paligemma"}
+# Processors that take one image a prompt (Fuyu's puts it first): their batch has no two-image request
+ONE_IMAGE = {"tiny_fuyu"}
 # Families whose language model only runs eager: captured, they are refused up front, naming why
 # (LFM2's convolution layers keep a state the paged KV cache does not; captured, its tokens drifted)
 EAGER_ONLY = {"tiny_lfm2_vl": "has conv layers"}
@@ -101,6 +104,8 @@ def _hugging_face(folder, messages: list, model_cls) -> list[tuple[list[int], li
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    # FuyuProcessor reloads without the folder's chat_template.jinja: its tokenizer holds it
+    processor.chat_template = processor.chat_template or processor.tokenizer.chat_template
     model = model_cls.from_pretrained(folder, local_files_only=True).eval()
     out = []
     for chat in messages:
@@ -147,7 +152,7 @@ def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
     name, capture, processor_folders, pictures, hf_tokens, tmp_path
 ):
     folder = processor_folders[name]
-    messages = _mixed_batch(pictures)[1 if name in NEEDS_IMAGES else 0 :]
+    messages = _mixed_batch(pictures)[1 if name in NEEDS_IMAGES else 0 : 2 if name in ONE_IMAGE else 3]
     overrides = [
         "model=hf",
         f"model.checkpoint={folder}",
@@ -219,6 +224,18 @@ def test_a_per_token_output_the_graph_cannot_take_is_refused_naming_it(processor
         )
 
 
+def test_a_request_the_familys_processor_refuses_is_a_config_error(processor_folders, pictures):
+    """Fuyu's processor puts one image first in a prompt: a chat with two images is refused before
+    load, naming the processor and why, as Hugging Face's processor refuses it."""
+    messages = _mixed_batch(pictures)[2:]
+    folder = processor_folders["tiny_fuyu"]
+    overrides = ["model=hf", f"model.checkpoint={folder}", f"prompt.queries={hydra_value(messages)}"]
+    with pytest.raises(
+        ConfigError, match=r"FuyuProcessor cannot make this request of 2 image\(s\): .*images"
+    ):
+        check_config(compose_dict(overrides), cuda_available=False)
+
+
 def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken(
     processor_folders, caplog, tmp_path
 ):
@@ -266,20 +283,24 @@ def test_the_default_image_request_is_a_chat_turn_the_familys_processor_makes(na
     assert "prompt.image_layout=family" in sources.layout
     image = synthetic_image(default_image_size(hf_config), torch.Generator().manual_seed(cfg.seed))
     processor = family_processor(hf_config)
-    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ""}]}]
+    # the turn with a one-token text ("a"; a SentencePiece tokenizer's `▁` goes with it), split where
+    # the request's text stands
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}]
     made = processor(
         text=[processor.apply_chat_template(turn, add_generation_prompt=True)],
         images=[image],
         return_tensors="pt",
     )
     frame, prompt = made["input_ids"][0].tolist(), request.prompt
-    cut = next(  # the turn with no text, split where the request's text stands
+    cut = next(
         k
-        for k in range(len(frame) + 1)
-        if prompt[:k] == frame[:k] and prompt[len(prompt) - len(frame) + k :] == frame[k:]
+        for k in range(len(frame))
+        if prompt[:k] == frame[:k] and prompt[len(prompt) - len(frame) + k + 1 :] == frame[k + 1 :]
     )
     assert len(prompt) == cfg.prompt.prompt_len
     assert all(end <= cut for _, end in request.image_spans)
+    names = forward_names(sources.skeleton)  # a deprecated name as the forward renames it
+    made = {names.get(key, key): value for key, value in made.items()}
     for key, value in request.images.items():
         assert torch.equal(value, made[key].to(value.dtype)), key
     for key, value in request.token_inputs.items():

@@ -324,6 +324,14 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "<|IMG_PATCH|>")
         + "<|END_OF_TURN_TOKEN|>{%- endfor %}{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{%- endif %}",
     },
+    "fuyu": {  # no chat markers: the processor puts the image's rows, then bos, before the text
+        "config": {"|SPEAKER|": "image"},
+        "specials": {"|SPEAKER|": 500, "|NEWLINE|": 501, "<0x04>": 502},
+        # its processor drops the first token of the image's rows, the `▁` a SentencePiece model
+        # writes before them: the tokenizer is one (pieces, not added tokens; `tokenizer_of`)
+        "pieces": True,
+        "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "") + "{%- endfor %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "config": {"<|image|>": "image"},
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
@@ -369,6 +377,7 @@ FAMILY_OF = {
     "glm4v_moe": "glm4v",
     "lighton_ocr": "lighton_ocr",
     "cohere2_vision": "cohere2_vision",
+    "fuyu": "fuyu",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -434,6 +443,7 @@ PROCESSOR_KWARGS = {
         "pixel_shuffle_ratio": c.vision_config.pixel_shuffle_ratio,
     },
     "paddleocr_vl": {},
+    "fuyu": {},
     "deepseek_vl": lambda c: {
         "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2
     },
@@ -518,28 +528,28 @@ def vocabulary(hf_config) -> dict[str, int]:
 
 def build_tokenizer(hf_config):
     """A word-level fast tokenizer with the family's special tokens where its processor and model
-    look for them (`vocabulary`); every other id a word, so random ids decode and re-encode alike."""
+    look for them (`vocabulary`); every other id a word, so random ids decode and re-encode alike.
+    A family marked `pieces` gets a SentencePiece-style one instead (`_piece_tokenizer`)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     family = FAMILIES[FAMILY_OF[hf_config.model_type]]
     vocab_size = (getattr(hf_config, "text_config", None) or hf_config).vocab_size
     vocab = vocabulary(hf_config)
     taken = set(vocab.values())
     free = (i for i in range(vocab_size) if i not in taken)
-    for word in dict.fromkeys([*WORDS, *"abcdefghijklmnopqrstuvwxyz?.,:!'"]):
+    words = [*WORDS, *"abcdefghijklmnopqrstuvwxyz?.,:!'"]
+    if family.get("pieces"):
+        return _piece_tokenizer(vocab, words, free, family)
+    for word in dict.fromkeys(words):
         if word not in vocab:
             vocab[word] = next(free)
     for index in free:
         vocab[f"t{index}"] = index
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<unk>",
+    tokenizer = _wrapped(
+        core,
+        family,
         additional_special_tokens=list(family["specials"]),
         # tokenizer.image_token ... as processors read them (an empty dict would drop the specials)
         **({"extra_special_tokens": family["named"]} if "named" in family else {}),
@@ -547,15 +557,63 @@ def build_tokenizer(hf_config):
     # Every special token split out whole before the pre-tokenizer runs: `extra_special_tokens`
     # replaces the additional list, which would leave the others to be cut at their punctuation
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in family["specials"]])
+    return tokenizer
+
+
+def _wrapped(core, family, **specials):
+    """The `tokenizers` object as transformers' fast tokenizer: begin `<s>`, end `</s>`, unknown and
+    padding `<unk>`, the family's chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        **specials,
+    )
     tokenizer.chat_template = family["template"]
     return tokenizer
+
+
+SPACE = "\u2581"  # SentencePiece's word boundary
+
+
+def _piece_tokenizer(vocab: dict[str, int], words: list[str], free, family):
+    """A SentencePiece-style (unigram) tokenizer: text gets a leading `▁` and `▁` for each space,
+    and is cut into pieces (`▁word`, the family's markers, `▁` alone); begin, end and unknown are
+    the only added tokens, so a text of markers alone starts with a `▁` piece, as Fuyu's processor
+    expects. `▁` alone is named a special token, which synthetic text leaves out."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = dict(vocab)
+    vocab[SPACE] = next(free)
+    for word in dict.fromkeys(words):
+        vocab.setdefault(SPACE + word, next(free))
+    for index in free:
+        vocab[f"{SPACE}t{index}"] = index
+    pieces = sorted(vocab.items(), key=lambda item: item[1])
+    if [i for _, i in pieces] != list(range(len(pieces))):
+        raise ValueError("a piece tokenizer needs every id below the vocabulary size")
+    core = Tokenizer(models.Unigram([(piece, -1.0) for piece, _ in pieces], unk_id=vocab["<unk>"]))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    core.pre_tokenizer = pre_tokenizers.Split(SPACE, behavior="merged_with_next")
+    core.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="always")
+    return _wrapped(core, family, additional_special_tokens=[SPACE])
 
 
 def build_image_processor(hf_config):
     """The family's image processor, sized as a published one is for the tiny vision config where
     the pipeline's `sized_processor` would size it otherwise (a pixel budget of a few merged
-    patches, the config's tile resolutions, PaliGemma's token count); None where it sizes it alike."""
-    vision = hf_config.vision_config
+    patches, the config's tile resolutions, PaliGemma's token count); None where it sizes it alike,
+    or for a model with no vision config outside these families."""
+    if hf_config.model_type == "fuyu":  # no vision tower: the config's patches on the processor's canvas
+        patch = {"height": hf_config.patch_size, "width": hf_config.patch_size}
+        return transformers.FuyuImageProcessor(patch_size=patch)
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None:
+        return None
     if hf_config.model_type in ("mistral3", "lighton_ocr"):
         step = vision.patch_size * hf_config.spatial_merge_size
         return transformers.PixtralImageProcessorPil(

@@ -151,13 +151,36 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
 # request made without the family's Processor, keyed by the processor a model type maps to in
 # transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one); each gives inputs the
 # generic path does not (tests/test_images.py shows how). Every other VLM goes through `_fixed_size`.
+def _fuyu(config, images: list[Image.Image], processor) -> ImageBatch:
+    """No vision tower: each image's patches, flattened, are what the model embeds ([patches,
+    patch * patch * channels]), cut as FuyuProcessor cuts them from the unpadded image."""
+    patch = config.patch_size
+    processor = processor or _processor_class("FuyuImageProcessor")(
+        patch_size={"height": patch, "width": patch}
+    )
+    rows, grids = [], []
+    for image in images:
+        out = processor(images=[image], return_tensors="pt")
+        height = -(-int(out["image_unpadded_heights"][0][0]) // patch) * patch  # whole patches
+        width = -(-int(out["image_unpadded_widths"][0][0]) // patch) * patch
+        pixels = torch.as_tensor(out["images"][0][0])[:, :height, :width]  # [C, H, W] inside the canvas
+        channels = pixels.shape[0]
+        # [C, H/p, W/p, p, p] -> [patches, p, p, C] -> [patches, p * p * C], row by row, as its unfold
+        tiles = pixels.unfold(1, patch, patch).unfold(2, patch, patch).reshape(channels, -1, patch, patch)
+        rows.append(tiles.permute(1, 2, 3, 0).reshape(-1, patch * patch * channels))
+        grids.append((height // patch, width // patch))
+    return ImageBatch({"pixel_values": torch.cat(rows)}, [h * w for h, w in grids], [], [], grids)
+
+
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
     "PixtralImageProcessor": _mistral3,
     "Qwen2VLImageProcessor": _qwen2_5_vl,
     "Llama4ImageProcessor": _llama4,
+    "FuyuImageProcessor": _fuyu,
 }
-# Families whose processor puts the images before the text (the prefix PaliGemma attends both ways).
-IMAGES_FIRST = ("paligemma",)
+# Families whose processor puts the images before the text (the prefix PaliGemma attends both ways;
+# Fuyu's processor puts its one image first).
+IMAGES_FIRST = ("paligemma", "fuyu")
 
 
 def _image_processor_names(model_type: str):
@@ -375,9 +398,16 @@ def _image_tokens(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> li
 
 
 def _counts(out) -> list[int]:
-    features = getattr(out, "pooler_output", out)
+    """Tokens per image of get_image_features' output: a list of [tokens, hidden], a batch
+    [images, tokens, hidden], or every image's rows at once [tokens, hidden] (Fuyu's patches, one
+    image a prompt; its output keeps them as last_hidden_state)."""
+    features = getattr(out, "pooler_output", None)
+    if features is None:
+        features = getattr(out, "last_hidden_state", out)
     if isinstance(features, list | tuple):
         return [int(f.shape[0]) for f in features]
+    if features.dim() == 2:
+        return [int(features.shape[0])]
     return [int(features.shape[1])] * int(features.shape[0])
 
 
@@ -429,8 +459,11 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
 
 def default_image_size(config) -> int:
     vision = getattr(config, "vision_config", None)
-    if vision is None:  # a checkpoint's image processor resizes it
-        return 224
+    if (
+        vision is None
+    ):  # patches embedded by the model itself (Fuyu's), else a checkpoint's processor resizes it
+        patch = size_pair(getattr(config, "patch_size", None))
+        return 2 * patch[0] if patch else 224
     hw = size_pair(getattr(vision, "image_size", None))
     if hw is not None and rule_of(config) in (None, "Llama4ImageProcessor"):
         return max(hw)  # resized by the processor anyway
@@ -469,6 +502,7 @@ TEMPLATE_IMAGE_TOKEN = {
     "PixtralImageProcessor": "[IMG]",
     "Qwen2VLImageProcessor": "<|image_pad|>",
     "Llama4ImageProcessor": "<|image|>",
+    "FuyuImageProcessor": "|SPEAKER|",
 }
 
 

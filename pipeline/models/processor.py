@@ -98,14 +98,32 @@ def image_token_ids(processor, hf_config) -> set[int]:
     return found
 
 
-def forward_names(model: torch.nn.Module) -> set[str]:
-    """The parameters of the model's forward and of its inner model's (DeepSeek-VL's outer class
-    passes **kwargs on to it)."""
-    names = set(inspect.signature(model.forward).parameters)
+def forward_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each name the model's forward takes (or its inner model's: DeepSeek-VL's outer class passes
+    **kwargs on to it) -> the parameter it reaches: itself, or the one a name transformers
+    deprecated is renamed to (Fuyu's processor returns `image_patches`, its forward's
+    `pixel_values`)."""
+    names: dict[str, str] = {}
     inner = getattr(model, "model", None)
-    if isinstance(inner, torch.nn.Module):
-        names |= set(inspect.signature(inner.forward).parameters)
-    return names - {"kwargs", "args"}
+    for forward in (model.forward, inner.forward if isinstance(inner, torch.nn.Module) else None):
+        if forward is not None:
+            names |= _renamed(forward)
+            names |= {name: name for name in inspect.signature(forward).parameters}
+    return {k: v for k, v in names.items() if k not in ("kwargs", "args")}
+
+
+def _renamed(function) -> dict[str, str]:
+    """Deprecated keyword -> its new name, for each transformers `deprecate_kwarg` wrapped around
+    the function (read from the wrappers' closures: they keep no other record)."""
+    renamed = {}
+    while function is not None:
+        code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+        if code is not None and cells:
+            bound = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
+            if isinstance(bound.get("old_name"), str) and isinstance(bound.get("new_name"), str):
+                renamed[bound["old_name"]] = bound["new_name"]
+        function = getattr(function, "__wrapped__", None)
+    return renamed
 
 
 def _carried(key: str, hf_config, model) -> bool:
@@ -123,13 +141,20 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     [S, ...], [start, end) of each image's tokens). Every tensor it returns that the model's
     forward names reaches the model, or the request is refused naming it. Each image's token count
     is the processor's (the image alone through it): no model runs to count them."""
-    out = processor(text=[text], images=images, return_tensors="pt")  # one text: its images in order
+    try:
+        out = processor(text=[text], images=images, return_tensors="pt")  # one text: its images in order
+    except ValueError as exc:  # a layout the family's processor refuses (Fuyu's: one image a prompt)
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
+        raise ConfigError(
+            f"{type(processor).__name__} cannot make this request of {len(images)} image(s): {first[:240]}"
+        ) from None
     ids = out["input_ids"][0].tolist()
     names = forward_names(skeleton)
     per_token, pixels = {}, {}
     for key, value in out.items():
         if not isinstance(value, torch.Tensor) or key in ("input_ids", "attention_mask") or key not in names:
             continue
+        key = names[key]
         if key == LOSS_TARGET:
             log.info(
                 "%s returns %s: targets of the training loss, not read by generation",
@@ -149,7 +174,9 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
         else:
             pixels[key] = value
     tokens = image_token_ids(processor, hf_config)
-    counts = [_image_count(processor, image, tokens) for image in images]
+    # a text without the image token: the processor places the image itself (Fuyu's, before the text)
+    marker = image_token_text(processor) if image_token_text(processor) in text else ""
+    counts = [_image_count(processor, image, tokens, marker) for image in images]
     where = [i for i, t in enumerate(ids) if t in tokens]
     if len(where) != sum(counts):
         raise ConfigError(
@@ -164,9 +191,9 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     return ids, pixels, per_token, spans
 
 
-def _image_count(processor, image, tokens: set[int]) -> int:
-    """How many image tokens the processor writes for this image alone."""
-    out = processor(text=[image_token_text(processor)], images=[image], return_tensors="pt")
+def _image_count(processor, image, tokens: set[int], marker: str) -> int:
+    """How many image tokens the processor writes for this image alone (`marker`: the text it takes)."""
+    out = processor(text=[marker], images=[image], return_tensors="pt")
     return sum(int(t) in tokens for t in out["input_ids"][0].tolist())
 
 
