@@ -111,6 +111,25 @@ def test_whether_a_model_takes_images_comes_from_its_class():
     assert "no vision_config" in images.unsupported(ChameleonConfig())
 
 
+@pytest.mark.parametrize("name", ["tiny_llava", "tiny_fuyu"])
+def test_an_image_smaller_than_one_patch_is_refused_up_front(name, tmp_path):
+    """A given image smaller than one 14-pixel patch (of the vision tower, or of the model's own
+    patch embedding where it has no tower) is a config error naming it, before any model is built."""
+    from PIL import Image
+
+    from pipeline.runtime.requests import check_images
+
+    path = tmp_path / "small.png"
+    Image.new("RGB", (10, 10)).save(path)
+    config = zoo.build_hf_config(compose_cfg([f"model={name}"]).model)
+    with pytest.raises(
+        ConfigError, match=r"prompt.images\[0\]=.*small.png is 10x10 pixels, smaller than one 14-pixel"
+    ):
+        check_images([str(path)], config)
+    Image.new("RGB", (14, 14)).save(tmp_path / "one_patch.png")
+    check_images([str(tmp_path / "one_patch.png")], config)
+
+
 def test_fuyus_patches_are_its_processors():
     """Fuyu's images without its Processor (the generic layout, the export's example call): the
     patches, row by row, and their count equal what FuyuProcessor makes of the same image, with

@@ -316,15 +316,17 @@ def build_requests(
 
 def check_images(paths, hf_config) -> None:
     """Before any model is built: each local image opens, and holds at least one patch of the
-    model's vision tower (its preprocessing converts mode and size, but not from nothing)."""
-    vision = getattr(hf_config, "vision_config", None)
+    model's vision tower, or of its own patch embedding (its preprocessing converts mode and size,
+    but not from nothing; Fuyu's cuts the image as it is)."""
+    # the vision tower's patch, or the model's own where it embeds patches itself (Fuyu's)
+    patch = getattr(getattr(hf_config, "vision_config", None) or hf_config, "patch_size", None) or 1
+    patch = imaging.size_pair(patch)[0]
     for index, path in enumerate(paths or []):
         try:
             with Image.open(path) as image:
                 width, height = image.size
         except OSError as exc:
             raise ConfigError(f"prompt.images[{index}]={path} cannot be read as an image: {exc}") from None
-        patch = getattr(vision, "patch_size", 1) if vision is not None else 1
         if min(width, height) < patch:
             raise ConfigError(
                 f"prompt.images[{index}]={path} is {width}x{height} pixels, smaller than one {patch}-pixel patch "
