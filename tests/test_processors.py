@@ -307,6 +307,66 @@ def test_the_default_image_request_is_a_chat_turn_the_familys_processor_makes(na
         assert torch.equal(value[:cut], made[key][0][:cut]), key
 
 
+def test_a_byte_level_bpe_folders_requests_are_prompt_len_long():
+    """A folder's subword tokenizer (a byte-level BPE, as most published ones are) decodes random
+    ids to text that re-encodes into other pieces, ~10-30 % fewer of them: the synthetic requests
+    of LLaVA's Processor around such a tokenizer are still prompt.prompt_len long, every seed."""
+    import random
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.models.families import WORDS
+    from pipeline.runtime.requests import Sources
+
+    cfg = compose_cfg(["model=tiny_llava"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    family = family_processor(hf_config)
+    draw = random.Random(0)
+    corpus = [
+        " ".join(
+            draw.choice(WORDS) + "".join(draw.choices("abcdefghij", k=draw.randint(0, 3))) for _ in range(30)
+        )
+        for _ in range(400)
+    ]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(  # 500 pieces: the image token then takes the config's id, 500
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=500,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == hf_config.image_token_index
+    processor = transformers.LlavaProcessor(
+        image_processor=family.image_processor,
+        tokenizer=tokenizer,
+        chat_template=family.chat_template,
+        patch_size=family.patch_size,
+        vision_feature_select_strategy=family.vision_feature_select_strategy,
+        num_additional_image_tokens=1,
+    )
+    skeleton = meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config)
+    sources = Sources(skeleton=skeleton, layout_processor=processor)
+    lengths = [
+        len(request.prompt)
+        for seed in range(8)
+        for request in build_requests(
+            cfg.prompt, cfg.runtime, seed, hf_config, torch.float32, torch.device("cpu"), sources
+        )
+    ]
+    assert lengths == [cfg.prompt.prompt_len] * len(lengths)
+
+
 @pytest.mark.parametrize("name", ["mistral3", "qwen2_5_vl", "llama4_scout"])
 def test_a_full_size_yamls_tokens_sit_at_its_configs_ids(name):
     """The tokenizer made for a seed-size config puts the image, begin/end and begin-of-text tokens

@@ -141,14 +141,18 @@ def image_part(
     return batch.placeholder(imaging.image_token_id(hf_config), 0), batch.kwargs
 
 
+FILL_PASSES = 16  # after the bisection, a byte-level BPE's prompt lands on prompt_len within a few
+
+
 def _family_request(
     prompt: PromptConfig, seq_id: int, hf_config, image: Image.Image, generator, dtype, device, sources
 ) -> Request:
     """A synthetic image request as the family makes one: a user turn holding the image and random
     text, through its chat template and Processor. The text is random ids decoded, as many as fill
     prompt.prompt_len; where the turn's tokens do not add up (text that merges with the template's,
-    a folder's subword tokenizer), one more pass adds or drops the difference, and the prompt is as
-    long as the Processor then makes it."""
+    a folder's subword tokenizer), the text is the fewest ids of a longer draw whose prompt reaches
+    prompt_len, then passes add or drop the difference (at most FILL_PASSES): the prompt is as long
+    as the Processor makes it after the last."""
     processor = sources.layout_processor
     tokenizer = processor.tokenizer
 
@@ -172,11 +176,30 @@ def _family_request(
     vocab = min(len(tokenizer), zoo.text_config_of(hf_config).vocab_size)
     avoid = special_ids(hf_config) | set(tokenizer.all_special_ids)
     text = random_ids((text_len,), vocab, avoid, generator).tolist()
-    ids, pixels, per_token, spans = made(text)
-    short = prompt.prompt_len - len(ids)
-    if short and len(text) + short > 0:  # text merged with the template's, or split by a subword tokenizer
-        text = (text + random_ids((max(short, 0),), vocab, avoid, generator).tolist())[: len(text) + short]
-        ids, pixels, per_token, spans = made(text)
+    made_ids = made(text)
+    if len(made_ids[0]) != prompt.prompt_len:
+        # text merged with the template's, or re-cut by a subword tokenizer (random ids of a
+        # byte-level BPE decode to text that re-encodes into fewer pieces): bisect a longer draw
+        # for the fewest ids whose prompt reaches prompt_len, then add or drop the difference
+        pool = text + random_ids((prompt.prompt_len,), vocab, avoid, generator).tolist()
+        low, high = 1, len(pool)
+        while low < high:
+            middle = (low + high) // 2
+            if len(made(pool[:middle])[0]) < prompt.prompt_len:
+                low = middle + 1
+            else:
+                high = middle
+        text = pool[:low]
+        made_ids = made(text)
+        for _ in range(FILL_PASSES):
+            short = prompt.prompt_len - len(made_ids[0])
+            if not short or len(text) + short < 1:
+                break
+            text = (text + random_ids((max(short, 0),), vocab, avoid, generator).tolist())[
+                : len(text) + short
+            ]
+            made_ids = made(text)
+    ids, pixels, per_token, spans = made_ids
     return with_mask_spans(hf_config, Request(seq_id, ids, pixels, spans, token_inputs=per_token))
 
 
