@@ -328,7 +328,7 @@ FAMILIES = {
         "config": {"|SPEAKER|": "image"},
         "specials": {"|SPEAKER|": 500, "|NEWLINE|": 501, "<0x04>": 502},
         # its processor drops the first token of the image's rows, the `▁` a SentencePiece model
-        # writes before them: the tokenizer is one (pieces, not added tokens; `tokenizer_of`)
+        # writes before them: the tokenizer is one (pieces, not added tokens; `_piece_tokenizer`)
         "pieces": True,
         "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "") + "{%- endfor %}",
     },

@@ -147,10 +147,6 @@ def _llama4(config, images: list[Image.Image], processor) -> ImageBatch:
     )
 
 
-# Image processors whose image size (and so token count) follows the image: their rules, for a
-# request made without the family's Processor, keyed by the processor a model type maps to in
-# transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one); each gives inputs the
-# generic path does not (tests/test_images.py shows how). Every other VLM goes through `_fixed_size`.
 def _fuyu(config, images: list[Image.Image], processor) -> ImageBatch:
     """No vision tower: each image's patches, flattened, are what the model embeds ([patches,
     patch * patch * channels]), cut as FuyuProcessor cuts them from the unpadded image."""
@@ -172,6 +168,10 @@ def _fuyu(config, images: list[Image.Image], processor) -> ImageBatch:
     return ImageBatch({"pixel_values": torch.cat(rows)}, [h * w for h, w in grids], [], [], grids)
 
 
+# Image processors whose image size (and so token count) follows the image: their rules, for a
+# request made without the family's Processor, keyed by the processor a model type maps to in
+# transformers, not by the model type (Qwen2-VL and Qwen2.5-VL share one); each gives inputs the
+# generic path does not (tests/test_images.py shows how). Every other VLM goes through `_fixed_size`.
 PREPROCESS: dict[str, Callable[..., ImageBatch]] = {
     "PixtralImageProcessor": _mistral3,
     "Qwen2VLImageProcessor": _qwen2_5_vl,
@@ -459,9 +459,8 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
 
 def default_image_size(config) -> int:
     vision = getattr(config, "vision_config", None)
-    if (
-        vision is None
-    ):  # patches embedded by the model itself (Fuyu's), else a checkpoint's processor resizes it
+    if vision is None:
+        # patches the model embeds itself (Fuyu's): 2 x 2 of them; else a checkpoint's processor resizes it
         patch = size_pair(getattr(config, "patch_size", None))
         return 2 * patch[0] if patch else 224
     hw = size_pair(getattr(vision, "image_size", None))
