@@ -131,6 +131,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
         modal = page.get_by_role("dialog")
         images = modal.locator("img[src*='breakdown_module_breakdown']")
         images.first.wait_for(timeout=60_000)
+        images.nth(len(children) - 1).wait_for(timeout=60_000)  # the modal adds them one by one
         shown = set()
         for i in range(images.count()):
             image = images.nth(i)
