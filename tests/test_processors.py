@@ -307,6 +307,17 @@ def test_the_default_image_request_is_a_chat_turn_the_familys_processor_makes(na
         assert torch.equal(value[:cut], made[key][0][:cut]), key
 
 
+def test_a_deprecated_forward_name_is_given_its_new_name():
+    """FuyuProcessor returns `image_patches`, a name FuyuForCausalLM.forward takes only through
+    transformers' deprecate_kwarg wrapper: it reaches the forward as `pixel_values`, and a name the
+    forward takes as it is stays itself."""
+    cfg = compose_cfg(["model=tiny_fuyu"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    names = forward_names(meta.meta_model(zoo.resolve_model_class(cfg.model, hf_config), hf_config))
+    assert names["image_patches"] == "pixel_values" and names["input_ids"] == "input_ids"
+    assert "kwargs" not in names
+
+
 def test_a_byte_level_bpe_folders_requests_are_prompt_len_long():
     """A folder's subword tokenizer (a byte-level BPE, as most published ones are) decodes random
     ids to text that re-encodes into other pieces, ~10-30 % fewer of them: the synthetic requests

@@ -457,20 +457,26 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
     return ImageBatch(pixels, counts, prefix, suffix, [(1, n) for n in counts])
 
 
+def patch_of(config) -> int | None:
+    """The image patch's side in pixels: the vision tower's, or the model's own where it embeds
+    patches itself (Fuyu's, no vision_config); None where the config names none."""
+    patch = size_pair(getattr(getattr(config, "vision_config", None) or config, "patch_size", None))
+    return patch[0] if patch else None
+
+
 def default_image_size(config) -> int:
     vision = getattr(config, "vision_config", None)
+    patch = patch_of(config)
     if vision is None:
         # patches the model embeds itself (Fuyu's): 2 x 2 of them; else a checkpoint's processor resizes it
-        patch = size_pair(getattr(config, "patch_size", None))
-        return 2 * patch[0] if patch else 224
+        return 2 * patch if patch else 224
     hw = size_pair(getattr(vision, "image_size", None))
     if hw is not None and rule_of(config) in (None, "Llama4ImageProcessor"):
         return max(hw)  # resized by the processor anyway
-    patch = size_pair(getattr(vision, "patch_size", None))
     if patch is None:
         return 224
     merge = getattr(config, "spatial_merge_size", None) or getattr(vision, "spatial_merge_size", None) or 1
-    return 2 * patch[0] * merge  # 2 x 2 image tokens: the smallest image with structure
+    return 2 * patch * merge  # 2 x 2 image tokens: the smallest image with structure
 
 
 def image_token_id(config) -> int:

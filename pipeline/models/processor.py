@@ -175,7 +175,8 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
             pixels[key] = value
     tokens = image_token_ids(processor, hf_config)
     # a text without the image token: the processor places the image itself (Fuyu's, before the text)
-    marker = image_token_text(processor) if image_token_text(processor) in text else ""
+    marker = image_token_text(processor)
+    marker = marker if marker in text else ""
     counts = [_image_count(processor, image, tokens, marker) for image in images]
     where = [i for i, t in enumerate(ids) if t in tokens]
     if len(where) != sum(counts):

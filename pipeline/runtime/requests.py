@@ -341,9 +341,7 @@ def check_images(paths, hf_config) -> None:
     """Before any model is built: each local image opens, and holds at least one patch of the
     model's vision tower, or of its own patch embedding (its preprocessing converts mode and size,
     but not from nothing; Fuyu's cuts the image as it is)."""
-    # the vision tower's patch, or the model's own where it embeds patches itself (Fuyu's)
-    patch = getattr(getattr(hf_config, "vision_config", None) or hf_config, "patch_size", None) or 1
-    patch = imaging.size_pair(patch)[0]
+    patch = imaging.patch_of(hf_config) or 1
     for index, path in enumerate(paths or []):
         try:
             with Image.open(path) as image:
