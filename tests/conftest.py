@@ -155,7 +155,10 @@ def staged(
 
 
 def pytest_collection_modifyitems(items):
-    """`cuda` tests need a GPU; they are skipped without one."""
+    """The longest tests first (those given more than the default time limit, the longest limit
+    first), so that two workers finish together rather than one waiting out a long test picked
+    last; `cuda` tests need a GPU, and are skipped without one."""
+    items.sort(key=lambda item: -max((m.args[0] for m in item.iter_markers("timeout")), default=0))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

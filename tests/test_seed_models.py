@@ -89,6 +89,7 @@ def test_partial_capture_through_every_stage(tmp_path, tracking_uri):
             "prompt.prompt_len=24",
             "prompt.output_len=4",
             "profile.decode_steps=2",
+            "profile.reference=none",  # the comparison with eager is tests/test_profiler.py's
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
@@ -154,6 +155,7 @@ def test_full_capture_works_or_fails_with_its_reason(tmp_path, tracking_uri):
             "backend=torch-simple",
             "prompt.output_len=4",
             "profile.decode_steps=2",
+            "profile.reference=none",  # the comparison with eager is tests/test_profiler.py's
             f"tracking.uri={tracking_uri}",
         ],  # fmt: skip
         tmp_path,
