@@ -60,11 +60,14 @@ PROCESSOR_FAMILIES = [
     "tiny_lfm2_vl",
     "tiny_deepseek_vl_hybrid",
     "tiny_fuyu",
+    "tiny_blip2",
 ]
-# Processors that refuse a text without images (PaliGemma's): their batch is the image requests
-NEEDS_IMAGES = {"tiny_paligemma"}
-# Processors that take one image a prompt (Fuyu's puts it first): their batch has no two-image request
-ONE_IMAGE = {"tiny_fuyu"}
+# Families whose processor (PaliGemma's) or generate (BLIP-2's) refuses a text without images: their
+# batch is the image requests
+NEEDS_IMAGES = {"tiny_paligemma", "tiny_blip2"}
+# Processors that take one image a prompt (Fuyu's puts it first, BLIP-2's writes one image's query
+# tokens): their batch has no two-image request
+ONE_IMAGE = {"tiny_fuyu", "tiny_blip2"}
 # Families whose language model only runs eager: captured, they are refused up front, naming why
 # (LFM2's convolution layers keep a state the paged KV cache does not; captured, its tokens drifted)
 EAGER_ONLY = {"tiny_lfm2_vl": "has conv layers"}
@@ -146,6 +149,17 @@ def processor_folders(tmp_path_factory) -> dict:
     return _Folders(tmp_path_factory.mktemp("processor_folders"))
 
 
+def _folder_queries(folder, messages: list, capture: str) -> list[str]:
+    """The overrides of a run of the folder on these chats, as a user writes them."""
+    return [
+        "model=hf",
+        f"model.checkpoint={folder}",
+        f"prompt.queries={hydra_value(messages)}",
+        f"prompt.output_len={NEW_TOKENS}",
+        f"capture={capture}",
+    ]
+
+
 @pytest.mark.parametrize("capture", ["none", "partial"])
 @pytest.mark.parametrize("name", PROCESSOR_FAMILIES)
 def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
@@ -153,13 +167,7 @@ def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
 ):
     folder = processor_folders[name]
     messages = _mixed_batch(pictures)[1 if name in NEEDS_IMAGES else 0 : 2 if name in ONE_IMAGE else 3]
-    overrides = [
-        "model=hf",
-        f"model.checkpoint={folder}",
-        f"prompt.queries={hydra_value(messages)}",
-        f"prompt.output_len={NEW_TOKENS}",
-        f"capture={capture}",
-    ]
+    overrides = _folder_queries(folder, messages, capture)
     if capture != "none" and name in EAGER_ONLY:
         with pytest.raises(ConfigError, match=EAGER_ONLY[name]):
             check_config(compose_dict(overrides), cuda_available=False)
@@ -181,6 +189,43 @@ def test_a_mixed_batch_is_what_the_familys_processor_and_generate_make(
         )
         tokens = engine.generate(requests, NEW_TOKENS, SamplingParams(), seed=0).tokens
     assert [tokens[r.seq_id] for r in requests] == [generated for _, generated in want]
+
+
+@pytest.mark.parametrize("capture", ["none", "partial"])
+def test_a_text_request_runs_where_the_forward_takes_images_every_call(
+    capture, processor_folders, pictures, tmp_path
+):
+    """BLIP-2's forward takes pixel_values on every call and its generate nothing else, so Hugging
+    Face runs no text request of it: the pipeline does (its forward given no image features), and
+    the ids are the folder's processor's, the tokens those of the folder's OPT language model
+    generating from them."""
+    from transformers import AutoProcessor, Blip2ForConditionalGeneration
+
+    folder = processor_folders["tiny_blip2"]
+    messages = _mixed_batch(pictures)[:1]
+    overrides = _folder_queries(folder, messages, capture)
+    with staged(overrides, "transforms", tmp_path) as state:
+        cfg = state.cfg
+        (request,) = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources,
+            chunked=capture != "none",
+        )  # fmt: skip
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate([request], NEW_TOKENS, SamplingParams(), seed=0).tokens[request.seq_id]
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    processor.chat_template = processor.chat_template or processor.tokenizer.chat_template  # as Fuyu's
+    ids = processor(
+        text=[processor.apply_chat_template(messages[0], add_generation_prompt=True)], return_tensors="pt"
+    )
+    assert request.prompt == ids["input_ids"][0].tolist()
+    language_model = Blip2ForConditionalGeneration.from_pretrained(
+        folder, local_files_only=True
+    ).language_model
+    with torch.no_grad():
+        want = language_model.eval().generate(**ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+    assert tokens == want[len(request.prompt) :].tolist()
 
 
 class _Returns:

@@ -332,6 +332,15 @@ FAMILIES = {
         "pieces": True,
         "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "") + "{%- endfor %}",
     },
+    "blip2": {  # BLIP-2's "Question: ... Answer:"; the processor puts the image's query tokens first
+        "config": {"<image>": "image"},
+        # not named on the tokenizer: Blip2Processor then adds `<image>` itself (found at its id) and
+        # reads the AddedToken it made (a named one is a string, which it cannot read)
+        "specials": {"<image>": 500},
+        "template": "{{ bos_token }}{%- for m in messages %}Question: "
+        + _PARTS.replace("IMAGE", "")
+        + " {% endfor %}{%- if add_generation_prompt %}Answer:{%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "config": {"<|image|>": "image"},
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
@@ -378,6 +387,7 @@ FAMILY_OF = {
     "lighton_ocr": "lighton_ocr",
     "cohere2_vision": "cohere2_vision",
     "fuyu": "fuyu",
+    "blip-2": "blip2",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -444,6 +454,7 @@ PROCESSOR_KWARGS = {
     },
     "paddleocr_vl": {},
     "fuyu": {},
+    "blip-2": lambda c: {"num_query_tokens": c.num_query_tokens},
     "deepseek_vl": lambda c: {
         "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2
     },

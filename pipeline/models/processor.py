@@ -80,6 +80,7 @@ def _not_built(why: str) -> None:
 def image_token_text(processor) -> str:
     """The text the processor expands into one image's tokens."""
     token = getattr(processor, "image_token", None) or getattr(processor.tokenizer, "image_token", None)
+    token = getattr(token, "content", token)  # BLIP-2's processor keeps the AddedToken it made
     if not isinstance(token, str):
         raise ConfigError(
             f"{type(processor).__name__} names no image_token: the tokens of one image cannot be told apart "
