@@ -342,7 +342,9 @@ def child_runs(runs, parent) -> list:
 
 @contextlib.contextmanager
 def mlflow_server(store_uri: str, *extra: str):
-    """`mlflow server` on a free 127.0.0.1 port for the duration; yields its URL once /health answers."""
+    """`mlflow server` on a free 127.0.0.1 port for the duration; yields its URL once /health answers.
+    One worker process (MLflow starts four by default, each importing MLflow again): a test's
+    requests are few, and the others' start-up was CPU the other test worker waited for."""
     port = free_port()
     server = subprocess.Popen(
         [
@@ -353,6 +355,8 @@ def mlflow_server(store_uri: str, *extra: str):
             "--backend-store-uri",
             store_uri,
             *extra,
+            "--workers",
+            "1",
             "--host",
             "127.0.0.1",
             "--port",

@@ -67,6 +67,7 @@ def test_sweep_in_the_ui_names_charts_tables_and_compare(tmp_path, tracking_uri,
     common = [
         "capture=partial",
         "backend=torch-compile",
+        "prompt.prompt_len=32",
         "prompt.output_len=4",
         "profile.decode_steps=2",
         "profile.waterfall_rounds=2",
