@@ -36,7 +36,7 @@ def check_config(cfg: DictConfig, cuda_available: bool, multirun: bool = False) 
     """Every check that needs no weights, in order, or a ConfigError that names the key and the fix.
     The model folder, its tokenizer and image processor are read; the last checks run on the model
     built on the meta device (no memory). multirun: the job is one of a sweep's."""
-    from pipeline.models import checkpoint, meta, zoo
+    from pipeline.models import checkpoint, images, meta, zoo
     from pipeline.models.tokenizer import chat_template_of, has_tokenizer
     from pipeline.runtime import queries
     from pipeline.runtime.requests import check_images, check_workload, sources_of
@@ -56,6 +56,8 @@ def check_config(cfg: DictConfig, cuda_available: bool, multirun: bool = False) 
     hf_config = zoo.build_hf_config(model_cfg)
     folder = model_cfg.checkpoint
     queries.check(parsed, has_tokenizer(folder), chat_template_of(folder) is not None, zoo.is_vlm(hf_config))
+    if zoo.is_vlm(hf_config):
+        images.check_image_token(hf_config)
     check_images(config.prompt.images, hf_config)
     model_cls = zoo.resolve_model_class(model_cfg, hf_config)
     skeleton = meta.meta_model(model_cls, hf_config)

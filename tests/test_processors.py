@@ -281,6 +281,19 @@ def test_a_request_the_familys_processor_refuses_is_a_config_error(processor_fol
         check_config(compose_dict(overrides), cuda_available=False)
 
 
+def test_a_family_that_marks_image_positions_by_a_mask_is_refused_before_load(tmp_path):
+    """Kosmos-2's config names no image token (its processor returns image_embeds_position_mask):
+    a one-line config error naming the model type, not an AttributeError at load."""
+    from transformers import Kosmos2Config
+
+    text = {"vocab_size": 512, "embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4}
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4}
+    Kosmos2Config(text_config=text, vision_config=vision, latent_query_num=4).save_pretrained(tmp_path)
+    overrides = ["model=hf", f"model.checkpoint={tmp_path}", "model.skip_loading_weights=true"]
+    with pytest.raises(ConfigError, match=r"^model_type=kosmos-2 names no image token .* by a mask"):
+        check_config(compose_dict(overrides), cuda_available=False)
+
+
 def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken(
     processor_folders, caplog, tmp_path
 ):

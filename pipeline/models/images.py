@@ -483,6 +483,18 @@ def image_token_id(config) -> int:
     return getattr(config, "image_token_index", None) or config.image_token_id
 
 
+def check_image_token(config) -> None:
+    """A VLM's image features go where its config's image token sits, in every request and in
+    export's image call. A family whose processor marks image positions by a mask instead
+    (Kosmos-2's `image_embeds_position_mask`) names no such token: refused before load."""
+    if getattr(config, "image_token_index", None) is None and getattr(config, "image_token_id", None) is None:
+        raise ConfigError(
+            f"model_type={config.model_type} names no image token (image_token_index or image_token_id): "
+            "its processor marks image positions by a mask, which the pipeline does not lay out; "
+            "it runs VLM families whose image positions are a token"
+        )
+
+
 def preprocess(
     config, images: list[Image.Image], dtype: torch.dtype, device: torch.device, processor=None, model=None
 ) -> ImageBatch:
