@@ -479,15 +479,17 @@ def default_image_size(config) -> int:
     return 2 * patch * merge  # 2 x 2 image tokens: the smallest image with structure
 
 
-def image_token_id(config) -> int:
-    return getattr(config, "image_token_index", None) or config.image_token_id
+def image_token_id(config) -> int | None:
+    """The id the config gives the image token (image_token_index or image_token_id), else None."""
+    index = getattr(config, "image_token_index", None)
+    return index if index is not None else getattr(config, "image_token_id", None)
 
 
 def check_image_token(config) -> None:
     """A VLM's image features go where its config's image token sits, in every request and in
     export's image call. A family whose processor marks image positions by a mask instead
     (Kosmos-2's `image_embeds_position_mask`) names no such token: refused before load."""
-    if getattr(config, "image_token_index", None) is None and getattr(config, "image_token_id", None) is None:
+    if image_token_id(config) is None:
         raise ConfigError(
             f"model_type={config.model_type} names no image token (image_token_index or image_token_id): "
             "its processor marks image positions by a mask, which the pipeline does not lay out; "

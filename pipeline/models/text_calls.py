@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import typing
 
-import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -39,14 +38,13 @@ def allow_text_calls(model: nn.Module) -> nn.Module:
     """The model, its calls without pixels given no image features (a no-op for other families)."""
     if not merges_images_every_call(model):
         return model
-    features = _feature_class(model)
-    hidden = model.get_input_embeddings().embedding_dim
+    features, embedding = _feature_class(model), model.get_input_embeddings()
 
     def no_images(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args or kwargs.get("pixel_values") is not None or kwargs.get("mm_encoder_outputs") is not None:
             return args, kwargs
-        weight = module.get_input_embeddings().weight
-        empty = torch.zeros(0, hidden, dtype=weight.dtype, device=weight.device)  # [0 image tokens, H]
+        weight = embedding.weight  # read at the call: the model may have moved or changed dtype
+        empty = weight.new_zeros(0, weight.shape[1])  # [0 image tokens, H]
         return args, {
             **kwargs,
             "pixel_values": None,
