@@ -61,13 +61,14 @@ PROCESSOR_FAMILIES = [
     "tiny_deepseek_vl_hybrid",
     "tiny_fuyu",
     "tiny_blip2",
+    "tiny_kosmos2",
 ]
 # Families whose processor (PaliGemma's) or generate (BLIP-2's) refuses a text without images: their
 # batch is the image requests
 NEEDS_IMAGES = {"tiny_paligemma", "tiny_blip2"}
-# Processors that take one image a prompt (Fuyu's puts it first, BLIP-2's writes one image's query
-# tokens): their batch has no two-image request
-ONE_IMAGE = {"tiny_fuyu", "tiny_blip2"}
+# Processors that take one image a prompt (Fuyu's and Kosmos-2's put it first, BLIP-2's writes one
+# image's query tokens): their batch has no two-image request
+ONE_IMAGE = {"tiny_fuyu", "tiny_blip2", "tiny_kosmos2"}
 # Families whose language model only runs eager: captured, they are refused up front, naming why
 # (LFM2's convolution layers keep a state the paged KV cache does not; captured, its tokens drifted)
 EAGER_ONLY = {"tiny_lfm2_vl": "has conv layers"}
@@ -228,6 +229,40 @@ def test_a_text_request_runs_where_the_forward_takes_images_every_call(
     assert tokens == want[len(request.prompt) :].tolist()
 
 
+def test_masked_image_places_of_requests_of_two_lengths_line_up_in_one_wave(
+    processor_folders, pictures, hf_tokens, tmp_path
+):
+    """capture=none prefills a wave of whole prompts left-padded to the longest: Kosmos-2's image
+    mask is padded with its ids, so the shorter image request's features land on its own places
+    (the tokens equal Hugging Face's for each request alone)."""
+    folder = processor_folders["tiny_kosmos2"]
+    picture = {"type": "image", "url": f"file://{pictures[1]}"}
+    messages = [
+        [{"role": "user", "content": [picture, {"type": "text", "text": "what colour"}]}],
+        [
+            {
+                "role": "user",
+                "content": [picture, {"type": "text", "text": "tell me about the sky and water " * 3}],
+            }
+        ],
+    ]
+    overrides = _folder_queries(folder, messages, "none")
+    checked = check_config(compose_dict(overrides), cuda_available=False)
+    want = _hugging_face(folder, messages, checked.model_cls)
+    with staged(overrides, "transforms", tmp_path) as state:
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources,
+            chunked=False,
+        )  # fmt: skip
+        assert len(requests[0].prompt) < len(requests[1].prompt)
+        engine = DemoLLM(
+            state.model, state.hf_config, cfg.runtime, state.device, zoo.eos_ids(state.hf_config)
+        )
+        tokens = engine.generate(requests, NEW_TOKENS, SamplingParams(), seed=0).tokens
+    assert [tokens[r.seq_id] for r in requests] == [generated for _, generated in want]
+
+
 class _Returns:
     """A processor that returns one more per-token tensor than its family's."""
 
@@ -281,17 +316,52 @@ def test_a_request_the_familys_processor_refuses_is_a_config_error(processor_fol
         check_config(compose_dict(overrides), cuda_available=False)
 
 
-def test_a_family_that_marks_image_positions_by_a_mask_is_refused_before_load(tmp_path):
-    """Kosmos-2's config names no image token (its processor returns image_embeds_position_mask):
-    a one-line config error naming the model type, not an AttributeError at load."""
-    from transformers import Kosmos2Config
+def test_a_vlm_with_neither_image_token_nor_known_mask_is_refused_before_load(tmp_path):
+    """A BLIP-2 config without image_token_index (as folders saved before transformers gave BLIP-2
+    one): where its image features go is neither a token nor a mask the pipeline lays out
+    (models/image_mask.py), so a one-line config error names the model type, not an
+    AttributeError at load."""
+    from transformers import Blip2Config
 
-    text = {"vocab_size": 512, "embed_dim": 64, "layers": 2, "ffn_dim": 128, "attention_heads": 4}
-    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4}
-    Kosmos2Config(text_config=text, vision_config=vision, latent_query_num=4).save_pretrained(tmp_path)
+    cfg = compose_cfg(["model=tiny_blip2"])
+    config = zoo.build_hf_config(cfg.model)
+    config = Blip2Config(
+        vision_config=config.vision_config.to_dict(),
+        qformer_config=config.qformer_config.to_dict(),
+        text_config=config.text_config.to_dict(),
+        num_query_tokens=4,
+    )
+    config.architectures = ["Blip2ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
     overrides = ["model=hf", f"model.checkpoint={tmp_path}", "model.skip_loading_weights=true"]
-    with pytest.raises(ConfigError, match=r"^model_type=kosmos-2 names no image token .* by a mask"):
+    with pytest.raises(
+        ConfigError, match=r"^model_type=blip-2 names no image token .* by a mask \(kosmos-2\)"
+    ):
         check_config(compose_dict(overrides), cuda_available=False)
+
+
+def test_image_places_are_read_from_the_familys_mask(processor_folders, pictures):
+    """Kosmos-2's processor writes an image's places as ordinary ids and marks them in
+    image_embeds_position_mask: the request's image span is the mask's run of 1s, the mask itself
+    rides with the request, and the pixels are the processor's."""
+    from transformers import AutoProcessor
+
+    folder = processor_folders["tiny_kosmos2"]
+    checked = check_config(compose_dict(["model=hf", f"model.checkpoint={folder}"]), cuda_available=False)
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    processor.chat_template = processor.tokenizer.chat_template  # as Fuyu's, saved with its tokenizer
+    skeleton = meta.meta_model(checked.model_cls, checked.hf_config)
+    text = processor.apply_chat_template(_mixed_batch(pictures)[1], add_generation_prompt=True)
+    image = [Image.open(pictures[0]).convert("RGB")]
+    made = processor(text=[text], images=image, return_tensors="pt")
+    ids, pixels, per_token, spans = processed(
+        processor, checked.hf_config, text, image, skeleton, torch.float32, torch.device("cpu")
+    )
+    mask = made["image_embeds_position_mask"][0]
+    assert ids == made["input_ids"][0].tolist() and torch.equal(per_token["image_embeds_position_mask"], mask)
+    start = int(mask.argmax())
+    assert spans == [(start, start + checked.hf_config.latent_query_num)] and mask.sum() == 64
+    assert torch.equal(pixels["pixel_values"], made["pixel_values"])
 
 
 def test_a_processor_that_cannot_be_built_is_said_and_the_pipelines_layout_taken(
@@ -363,6 +433,16 @@ def test_the_default_image_request_is_a_chat_turn_the_familys_processor_makes(na
         assert torch.equal(value, made[key].to(value.dtype)), key
     for key, value in request.token_inputs.items():
         assert torch.equal(value[:cut], made[key][0][:cut]), key
+
+
+def test_the_generic_layout_of_a_family_without_an_image_token_is_refused():
+    """The generic layout writes the config's image token, which Kosmos-2 has not (its processor
+    marks image places by a mask): prompt.image_layout=generic is a config error saying to take
+    the family's layout, not a request of None ids."""
+    with pytest.raises(
+        ConfigError, match=r"model_type=kosmos-2 marks image positions by a mask.*image_layout=family"
+    ):
+        _synthetic("tiny_kosmos2", ["prompt.image_layout=generic"])
 
 
 def test_a_deprecated_forward_name_is_given_its_new_name():

@@ -29,7 +29,7 @@ from torch.fx.experimental import _config as shape_config
 from torch.utils import _pytree as pytree
 
 from pipeline.graphs import GraphRecord, VisionInput, first_tensor, record_of, set_record
-from pipeline.models import cross_attention
+from pipeline.models import cross_attention, image_mask
 from pipeline.models import images as imaging
 from pipeline.models.probe import first_calls
 
@@ -150,7 +150,8 @@ def default_position_ids(config, tokens: torch.Tensor, offset: int = 0) -> torch
     RoPE (Qwen2.5-VL), all three rows equal."""
     text_config = getattr(config, "text_config", None) or config
     batch, seq = tokens.shape[0], tokens.shape[1]
-    positions = torch.arange(offset, offset + seq, device=tokens.device)[None].expand(batch, -1)
+    # contiguous, as HF's own: Kosmos-2 views them flat to index its sinusoidal table
+    positions = torch.arange(offset, offset + seq, device=tokens.device)[None].expand(batch, -1).contiguous()
     if (getattr(text_config, "rope_parameters", None) or {}).get("mrope_section"):
         return positions[None].expand(3, -1, -1)
     return positions
@@ -514,7 +515,9 @@ def capture(
     )
     batch, seq = call["input_ids"].shape
     image_tokens = 0
-    if text_calls:
+    if text_calls and image_mask.MASK in call:  # the places the mask marks (models/image_mask.py)
+        image_tokens = int(call[image_mask.MASK].sum())
+    elif text_calls:
         image_tokens = int((call["input_ids"] == imaging.image_token_id(model.config)).sum())
     for recorded_call in recorded.values():
         states = recorded_call.kwargs.get(cross_attention.STATES)

@@ -341,6 +341,16 @@ FAMILIES = {
         + _PARTS.replace("IMAGE", "")
         + " {% endfor %}{%- if add_generation_prompt %}Answer:{%- endif %}",
     },
+    "kosmos2": {  # no chat markers: the processor puts `<image>`, the image's places, `</image>` first
+        # XLM-R's ids (begin 0, padding 1, end 2, unknown 3): the processor writes an image's places as
+        # the ids after unknown's, and adds its 11 tags and 1024 patch-index tokens after the base
+        # vocabulary, which the tokenizer leaves free
+        "unk": 3,
+        "added": 1035,
+        "processor": "Kosmos2Processor",  # not in transformers' table by model type
+        "specials": {},
+        "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "") + "{%- endfor %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "config": {"<|image|>": "image"},
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
@@ -388,6 +398,7 @@ FAMILY_OF = {
     "cohere2_vision": "cohere2_vision",
     "fuyu": "fuyu",
     "blip-2": "blip2",
+    "kosmos-2": "kosmos2",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -455,6 +466,7 @@ PROCESSOR_KWARGS = {
     "paddleocr_vl": {},
     "fuyu": {},
     "blip-2": lambda c: {"num_query_tokens": c.num_query_tokens},
+    "kosmos-2": {},
     "deepseek_vl": lambda c: {
         "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2
     },
@@ -523,18 +535,27 @@ def vocabulary(hf_config) -> dict[str, int]:
     text = getattr(hf_config, "text_config", None) or hf_config
     family = FAMILIES[FAMILY_OF[hf_config.model_type]]
     bos = _first_id(getattr(text, "bos_token_id", None), 1)
-    vocab = {"<unk>": 0, "<s>": bos, "</s>": _first_id(getattr(text, "eos_token_id", None), 2)}
+    eos = _first_id(getattr(text, "eos_token_id", None), 2)
+    vocab = {"<unk>": family.get("unk", 0), "<s>": bos, "</s>": eos}
     bound = {t: _config_id(hf_config, stem) for t, stem in family.get("config", {}).items()}
     vocab.update({t: i for t, i in bound.items() if i is not None})
     taken = set(vocab.values())
-    free = (i for i in range(3, text.vocab_size) if i not in taken)
+    size = base_size(hf_config)
+    free = (i for i in range(3, size) if i not in taken)
     for token, preferred in family["specials"].items():
         if token not in vocab:
             vocab[token] = preferred if preferred not in taken else next(free)
             taken.add(vocab[token])
-    if max(vocab.values()) >= text.vocab_size:
-        raise ValueError(f"{hf_config.model_type}: special token ids reach past vocab_size={text.vocab_size}")
+    if max(vocab.values()) >= size:
+        raise ValueError(f"{hf_config.model_type}: special token ids reach past the base vocabulary's {size}")
     return vocab
+
+
+def base_size(hf_config) -> int:
+    """The ids the tokenizer fills: the text model's vocabulary less what the family's Processor
+    adds to the tokenizer itself (Kosmos-2's tags and patch indices)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return text.vocab_size - FAMILIES[FAMILY_OF[hf_config.model_type]].get("added", 0)
 
 
 def build_tokenizer(hf_config):
@@ -544,10 +565,9 @@ def build_tokenizer(hf_config):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     family = FAMILIES[FAMILY_OF[hf_config.model_type]]
-    vocab_size = (getattr(hf_config, "text_config", None) or hf_config).vocab_size
     vocab = vocabulary(hf_config)
     taken = set(vocab.values())
-    free = (i for i in range(vocab_size) if i not in taken)
+    free = (i for i in range(base_size(hf_config)) if i not in taken)
     words = [*WORDS, *"abcdefghijklmnopqrstuvwxyz?.,:!'"]
     if family.get("pieces"):
         return _piece_tokenizer(vocab, words, free, family)
@@ -693,7 +713,10 @@ def family_processor(config, tokenizer=None, image_processor=None):
     if tokenizer is None:
         tokenizer = build_tokenizer(config)
         image_processor = image_processor or build_image_processor(config)
-    processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+    family = FAMILIES[FAMILY_OF[config.model_type]]
+    processor_cls = getattr(
+        transformers, family.get("processor") or PROCESSOR_MAPPING_NAMES[config.model_type]
+    )
     settings = PROCESSOR_KWARGS[config.model_type]
     processor = processor_cls(
         image_processor=image_processor or sized_processor(config),

@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 
 from pipeline.errors import ConfigError
-from pipeline.models import cross_attention
+from pipeline.models import cross_attention, image_mask
 
 
 @dataclass
@@ -487,13 +487,13 @@ def image_token_id(config) -> int | None:
 
 def check_image_token(config) -> None:
     """A VLM's image features go where its config's image token sits, in every request and in
-    export's image call. A family whose processor marks image positions by a mask instead
-    (Kosmos-2's `image_embeds_position_mask`) names no such token: refused before load."""
-    if image_token_id(config) is None:
+    export's image call, or where its processor's mask marks them (models/image_mask.py). A family
+    with neither is refused before load."""
+    if image_token_id(config) is None and not image_mask.by_mask(config):
         raise ConfigError(
-            f"model_type={config.model_type} names no image token (image_token_index or image_token_id): "
-            "its processor marks image positions by a mask, which the pipeline does not lay out; "
-            "it runs VLM families whose image positions are a token"
+            f"model_type={config.model_type} names no image token (image_token_index or image_token_id) and "
+            f"is not a family whose processor marks image positions by a mask ({', '.join(image_mask.FAMILIES)}): "
+            "where its image features go is not known here"
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline.models import cross_attention, masks
+from pipeline.models import cross_attention, image_mask, masks
 from pipeline.models.images import (
     IMAGES_FIRST,
     default_image_size,
@@ -106,9 +106,15 @@ def make_example_inputs(
     # [text... , prefix, image tokens, suffix, text...], or the images first (IMAGES_FIRST)
     half = 0 if config.model_type in IMAGES_FIRST else TEXT_LEN // 2
     body = random_ids((batch, TEXT_LEN), text_config.vocab_size, avoid, generator)
-    image_part = torch.tensor([images.placeholder(image_token_id(config), i) for i in range(batch)])
+    # a family without an image token: the places are ordinary ids its mask marks
+    token = int(body[0, 0]) if image_mask.by_mask(config) else image_token_id(config)
+    image_part = torch.tensor([images.placeholder(token, i) for i in range(batch)])
     ids = torch.cat([body[:, :half], image_part, body[:, half:]], dim=1).to(device)
     call = with_token_types(config, {"input_ids": ids, **images.kwargs, "use_cache": False})
+    if image_mask.by_mask(config):  # [B, S]: 1 at each image place
+        places = torch.zeros_like(ids)
+        places[:, half : half + image_part.shape[1]] = 1
+        call[image_mask.MASK] = places
     if model is not None and cross_attention.takes_vision_states(model):
         call[cross_attention.MASK] = torch.stack(
             [cross_attention_rows(config, row, images.kwargs, i) for i, row in enumerate(ids.tolist())]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError, StageFailure
-from pipeline.models import cross_attention, masks
+from pipeline.models import cross_attention, image_mask, masks
 from pipeline.models import images as imaging
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ PER_TOKEN = {
     "token_type_ids": "the spans attended both ways (models/masks.py)",
     "mm_token_type_ids": "which tokens take grid positions (runtime/positions.py)",
     "cross_attention_mask": "the tiles each token cross-attends (models/cross_attention.py)",
+    image_mask.MASK: "where the image features go, for a family with no image token (models/image_mask.py)",
 }
 _FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -134,6 +135,8 @@ def _carried(key: str, hf_config, model) -> bool:
     if key == "mm_token_type_ids":  # grid positions; a family that routes by them (vision experts) is not
         text = getattr(hf_config, "text_config", None) or hf_config
         return bool((getattr(text, "rope_parameters", None) or {}).get("mrope_section"))
+    if key == image_mask.MASK:
+        return image_mask.by_mask(hf_config)
     return key == "cross_attention_mask" and cross_attention.takes_vision_states(model)
 
 
@@ -142,8 +145,8 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     [S, ...], [start, end) of each image's tokens). Every tensor it returns that the model's
     forward names reaches the model, or the request is refused naming it. Each image's token count
     is the processor's (the image alone through it): no model runs to count them."""
-    try:
-        out = processor(text=[text], images=images, return_tensors="pt")  # one text: its images in order
+    try:  # one text: its images in order
+        out = processor(text=[text], images=images or None, return_tensors="pt")
     except ValueError as exc:  # a layout the family's processor refuses (Fuyu's: one image a prompt)
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
         raise ConfigError(
@@ -174,12 +177,19 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
             per_token[key] = value[0]
         else:
             pixels[key] = value
-    tokens = image_token_ids(processor, hf_config)
-    # a text without the image token: the processor places the image itself (Fuyu's, before the text)
-    marker = image_token_text(processor)
-    marker = marker if marker in text else ""
+    pixels = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in pixels.items()}
+    if not images:
+        return ids, pixels, per_token, []
+    if image_mask.MASK in per_token:  # image places by the processor's mask, not by an id
+        tokens, marker = set(), ""
+        where = per_token[image_mask.MASK].nonzero().flatten().tolist()
+    else:
+        tokens = image_token_ids(processor, hf_config)
+        # a text without the image token: the processor places the image itself (Fuyu's, before the text)
+        marker = image_token_text(processor)
+        marker = marker if marker in text else ""
+        where = [i for i, t in enumerate(ids) if t in tokens]
     counts = [_image_count(processor, image, tokens, marker) for image in images]
-    where = [i for i, t in enumerate(ids) if t in tokens]
     if len(where) != sum(counts):
         raise ConfigError(
             f"{type(processor).__name__} wrote {len(where)} image tokens for {len(images)} image(s), and "
@@ -189,13 +199,15 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
     for n in counts:  # each image's tokens in order, whatever the processor writes between them
         spans.append((where[start], where[start + n - 1] + 1))
         start += n
-    pixels = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in pixels.items()}
     return ids, pixels, per_token, spans
 
 
 def _image_count(processor, image, tokens: set[int], marker: str) -> int:
-    """How many image tokens the processor writes for this image alone (`marker`: the text it takes)."""
+    """How many image tokens the processor writes for this image alone (`marker`: the text it takes;
+    the places its mask marks, for a family without an image token)."""
     out = processor(text=[marker], images=[image], return_tensors="pt")
+    if image_mask.MASK in out:
+        return int(out[image_mask.MASK].sum())
     return sum(int(t) in tokens for t in out["input_ids"][0].tolist())
 
 
@@ -206,8 +218,11 @@ def check_image_counts(model: torch.nn.Module, processor, hf_config, request) ->
     mid-generation."""
     if cross_attention.takes_vision_states(model) or imaging.featurer(model) is None:
         return  # one token per image, cross-attended; or images that become no prompt tokens
-    tokens = image_token_ids(processor, hf_config)
-    wrote = [sum(t in tokens for t in request.prompt[s:e]) for s, e in request.image_spans]
+    if image_mask.MASK in request.token_inputs:  # each span is the places its mask marks
+        wrote = [e - s for s, e in request.image_spans]
+    else:
+        tokens = image_token_ids(processor, hf_config)
+        wrote = [sum(t in tokens for t in request.prompt[s:e]) for s, e in request.image_spans]
     made = imaging.image_tokens(model, request.images, len(wrote))
     if wrote != made:
         raise StageFailure(

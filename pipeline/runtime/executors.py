@@ -19,6 +19,7 @@ Both pass positions as the model counts them (from 1 for PaliGemma: models/probe
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 from torch import fx, nn
@@ -26,8 +27,9 @@ from torch import fx, nn
 from pipeline.attention.kv_cache import PagedKVCache, pages_for
 from pipeline.config import RuntimeConfig
 from pipeline.graphs import find_language_models, range_name, record_of
-from pipeline.models import cross_attention, masks, probe
+from pipeline.models import cross_attention, image_mask, masks, probe
 from pipeline.models.images import concat_pixels
+from pipeline.models.inputs import special_ids
 from pipeline.runtime.positions import Positions
 from pipeline.runtime.requests import Request
 from pipeline.runtime.scheduler import Chunk
@@ -111,6 +113,9 @@ class PagedExecutor:
                 kwargs.update(concat_pixels([r.images for r in self.cross_new]))
             else:
                 kwargs.update(_images(chunks))
+            places = image_mask.step_mask([(c.request.token_inputs, c.start, c.end) for c in chunks])
+            if places is not None:  # [1, T]: where the step's image features go
+                kwargs[image_mask.MASK] = places.to(self.device)
             ends = torch.tensor(lengths).cumsum(0) - 1
             last = ends[[i for i, c in enumerate(chunks) if c.completes]].to(self.device)  # rows to keep
             if self.blocks:  # [T, 2]: each token's bidirectional block in its sequence
@@ -237,8 +242,10 @@ class EagerExecutor:
         supports = getattr(model, "_supports_logits_to_keep", None)
         self.last_logits_only = {"logits_to_keep": 1} if supports is not None and supports() else {}
         lm_paths = find_language_models(model, getattr(hf_config, "text_config", None) or hf_config)
+        # a plain token: a model that counts its own positions skips padding (Kosmos-2's)
+        plain = next(i for i in itertools.count() if i not in special_ids(hf_config) | {pad_id})
         offset = probe.first_position(
-            model, lm_paths[0] if len(lm_paths) == 1 else "", torch.tensor([[pad_id]], device=device)
+            model, lm_paths[0] if len(lm_paths) == 1 else "", torch.tensor([[plain]], device=device)
         )
         self.positions = Positions(model, hf_config, offset)
         self.cache_cls = DynamicCache
@@ -281,6 +288,14 @@ class EagerExecutor:
                 ).to(self.device)  # [B, W, images, tiles], left-padded with rows that attend nothing
                 kwargs["cross_attention_mask"] = padded
                 self.cross_rows = padded[:, -1:]
+            places = image_mask.step_mask([(r.token_inputs, 0, len(r.prompt)) for r in requests])
+            if places is not None:  # [B, W]: where the wave's image features go, left-padded as the ids
+                kwargs[image_mask.MASK] = torch.stack(
+                    [
+                        torch.nn.functional.pad(row, (width - len(row), 0))
+                        for row in places[0].split([len(r.prompt) for r in requests])
+                    ]
+                ).to(self.device)
             types = [_token_types(self.hf_config, r) for r in requests]
             if types[0] is not None:  # left-padded as the ids; pads are masked out anyway
                 kwargs["token_type_ids"] = torch.tensor(

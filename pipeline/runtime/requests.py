@@ -20,7 +20,7 @@ from PIL import Image
 
 from pipeline.config import PipelineConfig, PromptConfig, RuntimeConfig
 from pipeline.errors import ConfigError
-from pipeline.models import families, masks, zoo
+from pipeline.models import families, image_mask, masks, zoo
 from pipeline.models import images as imaging
 from pipeline.models.inputs import cross_attention_rows, random_ids, special_ids
 from pipeline.models.processor import load_processor, processed
@@ -91,6 +91,15 @@ def _synthetic_layout(image_layout: str, hf_config, sources: Sources) -> tuple[o
     generic = (
         "synthetic image requests take the generic layout (prompt.image_layout=generic, models/images.py)"
     )
+    # the generic layout writes an image token, which such a family has not
+    if image_mask.by_mask(hf_config) and (
+        image_layout == "generic" or (sources.processor is None and sources.tokenizer is not None)
+    ):
+        raise ConfigError(
+            f"model_type={hf_config.model_type} marks image positions by a mask its processor returns, which "
+            "the generic layout cannot make: set prompt.image_layout=family (a model.checkpoint folder "
+            "with a tokenizer needs its processor_config.json too)"
+        )
     if image_layout == "generic":
         return None, generic
     if sources.processor is not None:
@@ -243,14 +252,20 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
     tokenizer = sources.tokenizer
     text = tokenizer.apply_chat_template(query.messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not query.images:
-        return with_mask_spans(hf_config, Request(seq_id, ids))
     images = [imaging.load_image(str(p)) for p in query.images]
-    if sources.processor is not None:
+    if sources.processor is not None and (images or not _refuses_text(sources.processor)):
+        # a text alone too: the processor adds what it adds to any text (Kosmos-2's begin token)
         prompt, pixels, per_token, spans = processed(
             sources.processor, hf_config, text, images, sources.skeleton, dtype, device
         )
         return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans, token_inputs=per_token))
+    if not images:
+        return with_mask_spans(hf_config, Request(seq_id, ids))
+    if image_mask.by_mask(hf_config):
+        raise ConfigError(
+            f"model_type={hf_config.model_type} marks image positions by a mask its processor returns, and "
+            "model.checkpoint has no processor that builds here; give a folder with its processor_config.json"
+        )
     placeholder = imaging.chat_placeholder(hf_config, tokenizer)
     where = [i for i, token in enumerate(ids) if token == placeholder]
     if len(where) != len(query.images):
@@ -271,6 +286,16 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
         prompt += tokens
         last = position + 1
     return with_mask_spans(hf_config, Request(seq_id, prompt + ids[last:], batch.kwargs, spans))
+
+
+def _refuses_text(processor) -> bool:
+    """Whether the processor refuses a text without images (PaliGemma's): such a text is the
+    tokenizer's ids of the chat template's text."""
+    try:
+        processor(text=["a"], return_tensors="pt")
+    except ValueError:
+        return True
+    return False
 
 
 def _from_query(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sources: Sources) -> Request:

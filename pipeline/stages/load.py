@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from pipeline.graphs import find_language_models
-from pipeline.models import build, checkpoint, meta, probe, text_calls, zoo
+from pipeline.models import build, checkpoint, image_mask, meta, probe, text_calls, zoo
 from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_bytes, human_count
@@ -25,8 +25,9 @@ def run(state: RunState) -> StageResult:
     if state.cfg.runtime.tp_weights == "shard" and tensor_parallel()[1] > 1:
         state.deferred = DeferredWeights()
     model, report, source, metrics, notes = _weights(state, model_cls, skeleton)
-    state.model = model = text_calls.allow_text_calls(model)
     lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
+    model = image_mask.prepare(text_calls.allow_text_calls(model), lm_paths[0] if len(lm_paths) == 1 else "")
+    state.model = model
     prompt = state.cfg.prompt
     state.sources = sources_of(state.cfg.model.checkpoint, state.hf_config, skeleton, prompt.image_layout)
     processor = state.sources.processor if prompt.queries else state.sources.layout_processor
