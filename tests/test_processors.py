@@ -62,6 +62,8 @@ PROCESSOR_FAMILIES = [
     "tiny_fuyu",
     "tiny_blip2",
     "tiny_kosmos2",
+    "tiny_chameleon",
+    "tiny_ernie4_5_vl_moe",
 ]
 # Families whose processor (PaliGemma's) or generate (BLIP-2's) refuses a text without images: their
 # batch is the image requests
@@ -443,6 +445,46 @@ def test_the_generic_layout_of_a_family_without_an_image_token_is_refused():
         ConfigError, match=r"model_type=kosmos-2 marks image positions by a mask.*image_layout=family"
     ):
         _synthetic("tiny_kosmos2", ["prompt.image_layout=generic"])
+
+
+def test_a_vq_familys_image_tokens_are_counted_from_its_config_not_a_meta_model():
+    """Chameleon's VQ-GAN lives inside the language model, which the meta-device skeleton leaves
+    without memory: the generic layout counts an image's codes from the VQ config (resolution over
+    the encoder's downsampling, squared), and that is what the VQ-GAN makes of the image on real
+    weights and what the family's Processor writes."""
+    from pipeline.models import build
+
+    cfg, hf_config, _, request = _synthetic("tiny_chameleon", ["prompt.image_layout=generic"])
+    ((start, end),) = request.image_spans
+    assert request.prompt[start:end] == [hf_config.image_token_id] * (end - start)
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), 0
+    )
+    codes = model.model.get_image_tokens(request.images["pixel_values"])
+    assert codes.shape == (1, end - start) and family_processor(hf_config).image_seq_length == end - start
+
+
+def test_the_branch_free_vision_experts_compute_what_hugging_faces_layer_does():
+    """ERNIE-4.5-VL's MoE layer, given tokens of both modalities (and of text alone): the forward
+    the pipeline gives it (every token through both sets of experts, each keeping its modality's)
+    returns Hugging Face's hidden states for every token."""
+    from pipeline.models import build, vision_experts
+
+    cfg = compose_cfg(["model=tiny_ernie4_5_vl_moe"])
+    hf_config = zoo.build_hf_config(cfg.model)
+    model, _ = build.build_random(
+        zoo.resolve_model_class(cfg.model, hf_config), hf_config, torch.float32, torch.device("cpu"), 0
+    )
+    layer = next(m for m in model.modules() if hasattr(m, "vision_moe"))
+    hidden = torch.randn(2, 7, hf_config.text_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    types = torch.tensor([[0, 1, 1, 1, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0]])
+    with torch.no_grad():
+        want = [layer(hidden, types)[0], layer(hidden, None)[0]]
+        vision_experts.prepare(model)
+        got = [layer(hidden, types)[0], layer(hidden, None)[0]]
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want[0], want[1])  # the vision experts change what they compute
 
 
 def test_a_deprecated_forward_name_is_given_its_new_name():

@@ -463,9 +463,9 @@ def _install_kwargs_adapter(graph_module: nn.Module, original: nn.Module) -> Non
 def _keep_parent_interface(graph_module: nn.Module, original: nn.Module) -> None:
     """What the eager parent still asks of its child: the input embeddings (a VLM embeds the text
     tokens itself before calling the language model, by method or by attribute, as Llama-4's
-    `self.model.embed_tokens`) and the config. The real embedding module goes back at its own path;
-    its weight is the same Parameter the graph holds, so nothing is copied. These two attributes are
-    for Hugging Face's code; the pipeline reads the graph's record."""
+    `self.model.embed_tokens`), the config and the child's plain attributes. The real embedding
+    module goes back at its own path; its weight is the same Parameter the graph holds, so nothing
+    is copied. These are for Hugging Face's code; the pipeline reads the graph's record."""
     embeddings = original.get_input_embeddings() if hasattr(original, "get_input_embeddings") else None
     if isinstance(embeddings, nn.Module):
         path = next((name for name, mod in original.named_modules() if mod is embeddings), None)
@@ -474,6 +474,15 @@ def _keep_parent_interface(graph_module: nn.Module, original: nn.Module) -> None
         object.__setattr__(graph_module, "get_input_embeddings", lambda: embeddings)
     if hasattr(original, "config"):
         object.__setattr__(graph_module, "config", original.config)
+    # and the plain values it reads (Chameleon's head masks the image-code ids its child's
+    # `vocabulary_mapping` names)
+    for name, value in vars(original).items():
+        if (
+            not name.startswith("_")
+            and not isinstance(value, nn.Module | torch.Tensor)
+            and not hasattr(graph_module, name)
+        ):
+            object.__setattr__(graph_module, name, value)
 
 
 def eager_parts(model: nn.Module, captured_paths: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import transformers
 
+from pipeline.models import vq_codes
 from pipeline.models.images import sized_processor
 
 # A chat template that renders the seed's three message forms (string content, or text and image
@@ -351,6 +352,45 @@ FAMILIES = {
         "specials": {},
         "template": "{%- for m in messages %}" + _PARTS.replace("IMAGE", "") + "{%- endfor %}",
     },
+    "chameleon": {  # the template writes <image>, which the processor expands between
+        # <racm3:break> and <eoss>; it ends each prompt with the tokenizer's separator
+        "config": {"<image>": "image"},
+        "specials": {"<reserved08706>": 497, "<racm3:break>": 498, "<eoss>": 499, "<image>": 500},
+        "sep": "<reserved08706>",
+        "template": "{{ bos_token }}{%- for m in messages %}"
+        + _PARTS.replace("IMAGE", "<image>")
+        + "{%- endfor %}",
+    },
+    "ernie4_5_vl": {  # the template writes the image's begin, placeholder and end; the processor
+        # expands the placeholder and marks all three for the vision experts
+        "config": {
+            "<|IMAGE_PLACEHOLDER|>": "image",
+            "<|IMAGE_START|>": "image_start",
+            "<|IMAGE_END|>": "image_end",
+            "<|VIDEO_PLACEHOLDER|>": "video",
+            "<|VIDEO_START|>": "video_start",
+            "<|VIDEO_END|>": "video_end",
+        },
+        "specials": {
+            "<|IMAGE_PLACEHOLDER|>": 500,
+            "<|IMAGE_START|>": 501,
+            "<|IMAGE_END|>": 502,
+            "<|VIDEO_PLACEHOLDER|>": 503,
+            "<|VIDEO_START|>": 504,
+            "<|VIDEO_END|>": 505,
+        },
+        "named": {  # its Processor reads each from the tokenizer
+            "image_token": "<|IMAGE_PLACEHOLDER|>",
+            "image_start_token": "<|IMAGE_START|>",
+            "image_end_token": "<|IMAGE_END|>",
+            "video_token": "<|VIDEO_PLACEHOLDER|>",
+            "video_start_token": "<|VIDEO_START|>",
+            "video_end_token": "<|VIDEO_END|>",
+        },
+        "template": "{{ bos_token }}{%- for m in messages %}User: "
+        + _PARTS.replace("IMAGE", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>")
+        + " {% endfor %}{%- if add_generation_prompt %}Assistant:{%- endif %}",
+    },
     "mllama": {  # header ids clear of the tiny config's pad id (3), which a prompt must not hold
         "config": {"<|image|>": "image"},
         "specials": {"<|start_header_id|>": 4, "<|end_header_id|>": 5, "<|eot_id|>": 6, "<|image|>": 500},
@@ -399,6 +439,8 @@ FAMILY_OF = {
     "fuyu": "fuyu",
     "blip-2": "blip2",
     "kosmos-2": "kosmos2",
+    "chameleon": "chameleon",
+    "ernie4_5_vl_moe": "ernie4_5_vl",
 }
 # The family processor's settings for the tiny configs, as its processor_config.json gives them
 # (Idefics3: one token per 28-pixel tile); a folder for these families gets the whole processor
@@ -467,6 +509,11 @@ PROCESSOR_KWARGS = {
     "fuyu": {},
     "blip-2": lambda c: {"num_query_tokens": c.num_query_tokens},
     "kosmos-2": {},
+    "chameleon": lambda c: {"image_seq_length": vq_codes.tokens_per_image(c)},
+    # its video half draws timestamps with a font file, which a folder saves beside it: none here
+    "ernie4_5_vl_moe": lambda c: {
+        "video_processor": transformers.Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)
+    },
     "deepseek_vl": lambda c: {
         "num_image_tokens": (c.vision_config.image_size // c.vision_config.patch_size) ** 2
     },
@@ -602,6 +649,7 @@ def _wrapped(core, family, **specials):
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<unk>",
+        **({"sep_token": family["sep"]} if "sep" in family else {}),  # Chameleon's ends each prompt
         **specials,
     )
     tokenizer.chat_template = family["template"]
@@ -634,6 +682,13 @@ def _piece_tokenizer(vocab: dict[str, int], words: list[str], free, family):
     return _wrapped(core, family, additional_special_tokens=[SPACE])
 
 
+# Image processors whose `size` edges are a pixel budget, each family's class
+PIXEL_BUDGET = {
+    "paddleocr_vl": "PaddleOCRVLImageProcessorPil",
+    "ernie4_5_vl_moe": "Ernie4_5_VLMoeImageProcessorPil",
+}
+
+
 def build_image_processor(hf_config):
     """The family's image processor, sized as a published one is for the tiny vision config where
     the pipeline's `sized_processor` would size it otherwise (a pixel budget of a few merged
@@ -650,9 +705,9 @@ def build_image_processor(hf_config):
         return transformers.PixtralImageProcessorPil(
             size={"longest_edge": vision.image_size}, patch_size={"height": step, "width": step}
         )
-    if hf_config.model_type == "paddleocr_vl":  # a pixel budget (its size edges) of 1 to 16 merged patches
+    if budgeted := PIXEL_BUDGET.get(hf_config.model_type):  # its size edges: 1 to 16 merged patches
         step = vision.patch_size * vision.spatial_merge_size
-        return transformers.PaddleOCRVLImageProcessorPil(
+        return getattr(transformers, budgeted)(
             patch_size=vision.patch_size,
             merge_size=vision.spatial_merge_size,
             size={"shortest_edge": step * step, "longest_edge": 16 * step * step},

@@ -6,7 +6,7 @@ language model (the decoder stack export captures) writes the image features the
 What the pipeline does for such a family:
 - the mask is one of the processor's per-token outputs (models/processor.py): a request carries it
   (`Request.token_inputs`), each image's span is read from it, and each prefill step that holds
-  images passes its slice of it (runtime/executors.py);
+  images passes its slice of it (runtime/executors.py `PREFILL_TOKEN_INPUTS`);
 - `prepare` makes the model's calls fit one graph: the forward refuses a call with neither pixels
   nor image features (a decode step, a text request, export's text call), so such a call gets an
   empty set of features, which reaches the language model as no image input at all; and the
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from torch import nn
 
 MASK = "image_embeds_position_mask"
@@ -29,17 +28,6 @@ FAMILIES = ("kosmos-2",)  # model types whose config names no image token: posit
 def by_mask(config) -> bool:
     """Whether the family's image positions come from its processor's mask."""
     return config.model_type in FAMILIES
-
-
-def step_mask(pieces: list[tuple[dict[str, torch.Tensor], int, int]]) -> torch.Tensor | None:
-    """[1, T]: a packed step's mask, each (request's token inputs, start, end) piece's slice of its
-    request's mask (zeros for a request without one); None when no piece marks an image place."""
-    rows = [
-        inputs[MASK][start:end] if MASK in inputs else torch.zeros(end - start, dtype=torch.long)
-        for inputs, start, end in pieces
-    ]
-    mask = torch.cat(rows)
-    return mask[None] if bool(mask.any()) else None
 
 
 def _takes(module: nn.Module) -> bool:

@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 
 from pipeline.errors import ConfigError
-from pipeline.models import cross_attention, image_mask
+from pipeline.models import cross_attention, image_mask, vq_codes
 
 
 @dataclass
@@ -238,9 +238,9 @@ def unsupported(config, processor=None, model=None) -> str | None:
             f"model_type={config.model_type} has no image processor in transformers and the checkpoint "
             "none (a model.checkpoint folder with its preprocessor_config.json brings one)"
         )
-    if processor is None and getattr(config, "vision_config", None) is None:
+    if processor is None and encoder_config(config) is None:
         return (
-            f"model_type={config.model_type} takes images but has no vision_config to size them by "
+            f"model_type={config.model_type} takes images but has no vision_config (nor vq_config) to size them by "
             "(a model.checkpoint folder with its preprocessor_config.json brings its image processor)"
         )
     if model is not None and featurer(model) is None and not cross_attention.takes_vision_states(model):
@@ -305,7 +305,7 @@ def sized_processor(config):
     image size (an edge given as a number too), and a second tower's size keys (`high_res_size`)
     from its own config; the processor's defaults where the config gives no size."""
     processor_cls = image_processor_class(config.model_type)
-    vision = config.vision_config
+    vision = encoder_config(config)
     defaults = processor_cls()
     if getattr(defaults, "merge_size", None) is not None:
         kwargs = {key: getattr(vision, name) for key, name in _PATCH_KEYS.items() if hasattr(vision, name)}
@@ -313,7 +313,7 @@ def sized_processor(config):
     # a tiling processor cuts at most as many tiles as the vision tower embeds (Mllama's)
     kwargs = {key: getattr(vision, name) for key, name in _TILE_KEYS.items() if hasattr(defaults, key)}
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
-    hw = size_pair(getattr(vision, "image_size", None))
+    hw = encoder_size(vision)
     if hw is None:
         return processor_cls(**kwargs) if kwargs else defaults
     for name in ("size", "crop_size", "max_image_size"):
@@ -449,9 +449,12 @@ def _fixed_size(config, images: list[Image.Image], processor, model) -> ImageBat
     outs = [processor(images=[image], return_tensors="pt") for image in images]
     tensors = concat_pixels([{k: v for k, v in out.items() if isinstance(v, torch.Tensor)} for out in outs])
     pixels = taken(model.forward, tensors)
-    # a cross-attention family's prompt holds one token per image (models/cross_attention.py)
-    cross = cross_attention.takes_vision_states(model)
-    counts = [1] * len(images) if cross else image_tokens(model, pixels, len(images))
+    if cross_attention.takes_vision_states(model):  # one token an image (models/cross_attention.py)
+        counts = [1] * len(images)
+    elif codes := vq_codes.tokens_per_image(config):  # its VQ config's count (models/vq_codes.py)
+        counts = [codes] * len(images)
+    else:
+        counts = image_tokens(model, pixels, len(images))
     prefix = [config.boi_token_index] if isinstance(getattr(config, "boi_token_index", None), int) else []
     suffix = [config.eoi_token_index] if isinstance(getattr(config, "eoi_token_index", None), int) else []
     return ImageBatch(pixels, counts, prefix, suffix, [(1, n) for n in counts])
@@ -464,13 +467,25 @@ def patch_of(config) -> int | None:
     return patch[0] if patch else None
 
 
+def encoder_config(config):
+    """The config of what turns images into the language model's input: the vision tower's, or the
+    VQ-GAN's of a family whose images become vocabulary ids (Chameleon's); None for neither."""
+    return getattr(config, "vision_config", None) or getattr(config, "vq_config", None)
+
+
+def encoder_size(encoder) -> tuple[int, int] | None:
+    """(height, width) of the images an encoder config takes: a vision tower's image_size, a
+    VQ-GAN's resolution; None where it names none."""
+    return size_pair(getattr(encoder, "image_size", None) or getattr(encoder, "resolution", None))
+
+
 def default_image_size(config) -> int:
-    vision = getattr(config, "vision_config", None)
+    vision = encoder_config(config)
     patch = patch_of(config)
     if vision is None:
         # patches the model embeds itself (Fuyu's): 2 x 2 of them; else a checkpoint's processor resizes it
         return 2 * patch if patch else 224
-    hw = size_pair(getattr(vision, "image_size", None))
+    hw = encoder_size(vision)
     if hw is not None and rule_of(config) in (None, "Llama4ImageProcessor"):
         return max(hw)  # resized by the processor anyway
     if patch is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline.models import cross_attention, image_mask, masks
+from pipeline.models import cross_attention, image_mask, masks, vision_experts
 from pipeline.models.images import (
     IMAGES_FIRST,
     default_image_size,
@@ -123,4 +123,6 @@ def make_example_inputs(
         # what the family's processor returns beside the ids (1 marks an image token): Qwen2-VL's
         # model refuses image grids without it, Qwen2.5-VL's would count plain positions
         call["mm_token_type_ids"] = (ids == image_token_id(config)).int()
+    if model is not None and vision_experts.routes(model):  # the image tokens go to the vision experts
+        call[vision_experts.TYPES] = (ids == image_token_id(config)).int()
     return ExampleInputs(text, call)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError, StageFailure
-from pipeline.models import cross_attention, image_mask, masks
+from pipeline.models import cross_attention, image_mask, masks, vision_experts
 from pipeline.models import images as imaging
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ PER_TOKEN = {
     "mm_token_type_ids": "which tokens take grid positions (runtime/positions.py)",
     "cross_attention_mask": "the tiles each token cross-attends (models/cross_attention.py)",
     image_mask.MASK: "where the image features go, for a family with no image token (models/image_mask.py)",
+    vision_experts.TYPES: "which tokens go to the vision experts (models/vision_experts.py)",
 }
 _FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -132,9 +133,11 @@ def _carried(key: str, hf_config, model) -> bool:
     """Whether the runtime gives the model this per-token output at every step, for this family."""
     if key == "token_type_ids":
         return masks.uses_blocks(hf_config)
-    if key == "mm_token_type_ids":  # grid positions; a family that routes by them (vision experts) is not
+    if key == "mm_token_type_ids":  # grid positions
         text = getattr(hf_config, "text_config", None) or hf_config
         return bool((getattr(text, "rope_parameters", None) or {}).get("mrope_section"))
+    if key == vision_experts.TYPES:
+        return vision_experts.routes(model)
     if key == image_mask.MASK:
         return image_mask.by_mask(hf_config)
     return key == "cross_attention_mask" and cross_attention.takes_vision_states(model)

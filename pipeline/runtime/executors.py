@@ -27,7 +27,7 @@ from torch import fx, nn
 from pipeline.attention.kv_cache import PagedKVCache, pages_for
 from pipeline.config import RuntimeConfig
 from pipeline.graphs import find_language_models, range_name, record_of
-from pipeline.models import cross_attention, image_mask, masks, probe
+from pipeline.models import cross_attention, image_mask, masks, probe, vision_experts
 from pipeline.models.images import concat_pixels
 from pipeline.models.inputs import special_ids
 from pipeline.runtime.positions import Positions
@@ -58,6 +58,23 @@ def _token_types(hf_config, request: Request) -> list[int] | None:
     if "token_type_ids" in request.token_inputs:
         return request.token_inputs["token_type_ids"].tolist()
     return masks.token_type_ids(hf_config, request.prompt)
+
+
+# Per-token outputs of the processor that the model reads in each prefill step: where Kosmos-2's
+# image features go, which tokens ERNIE-4.5-VL sends to its vision experts. A decode step's
+# generated tokens are text: the model is given none, and the graph its empty form (zeros).
+PREFILL_TOKEN_INPUTS = (image_mask.MASK, vision_experts.TYPES)
+
+
+def _packed(key: str, pieces: list[tuple[dict[str, torch.Tensor], int, int]]) -> torch.Tensor | None:
+    """[1, T]: a packed step's values of one per-token input, each (request's token inputs, start,
+    end) piece's slice of its request's (zeros for a request without it); None when all are 0."""
+    rows = [
+        inputs[key][start:end] if key in inputs else torch.zeros(end - start, dtype=torch.long)
+        for inputs, start, end in pieces
+    ]
+    values = torch.cat(rows)
+    return values[None] if bool(values.any()) else None
 
 
 def _first_with_images(chunks: list[Chunk]) -> list[Chunk]:
@@ -113,9 +130,10 @@ class PagedExecutor:
                 kwargs.update(concat_pixels([r.images for r in self.cross_new]))
             else:
                 kwargs.update(_images(chunks))
-            places = image_mask.step_mask([(c.request.token_inputs, c.start, c.end) for c in chunks])
-            if places is not None:  # [1, T]: where the step's image features go
-                kwargs[image_mask.MASK] = places.to(self.device)
+            for key in PREFILL_TOKEN_INPUTS:
+                rows = _packed(key, [(c.request.token_inputs, c.start, c.end) for c in chunks])
+                if rows is not None:  # [1, T]
+                    kwargs[key] = rows.to(self.device)
             ends = torch.tensor(lengths).cumsum(0) - 1
             last = ends[[i for i, c in enumerate(chunks) if c.completes]].to(self.device)  # rows to keep
             if self.blocks:  # [T, 2]: each token's bidirectional block in its sequence
@@ -288,14 +306,15 @@ class EagerExecutor:
                 ).to(self.device)  # [B, W, images, tiles], left-padded with rows that attend nothing
                 kwargs["cross_attention_mask"] = padded
                 self.cross_rows = padded[:, -1:]
-            places = image_mask.step_mask([(r.token_inputs, 0, len(r.prompt)) for r in requests])
-            if places is not None:  # [B, W]: where the wave's image features go, left-padded as the ids
-                kwargs[image_mask.MASK] = torch.stack(
-                    [
-                        torch.nn.functional.pad(row, (width - len(row), 0))
-                        for row in places[0].split([len(r.prompt) for r in requests])
-                    ]
-                ).to(self.device)
+            for key in PREFILL_TOKEN_INPUTS:
+                rows = _packed(key, [(r.token_inputs, 0, len(r.prompt)) for r in requests])
+                if rows is not None:  # [B, W], left-padded as the ids
+                    kwargs[key] = torch.stack(
+                        [
+                            torch.nn.functional.pad(row, (width - len(row), 0))
+                            for row in rows[0].split([len(r.prompt) for r in requests])
+                        ]
+                    ).to(self.device)
             types = [_token_types(self.hf_config, r) for r in requests]
             if types[0] is not None:  # left-padded as the ids; pads are masked out anyway
                 kwargs["token_type_ids"] = torch.tensor(

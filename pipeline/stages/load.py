@@ -7,7 +7,17 @@ from __future__ import annotations
 from torch import nn
 
 from pipeline.graphs import find_language_models
-from pipeline.models import build, checkpoint, image_mask, meta, probe, text_calls, zoo
+from pipeline.models import (
+    build,
+    checkpoint,
+    image_mask,
+    meta,
+    probe,
+    text_calls,
+    vision_experts,
+    vq_codes,
+    zoo,
+)
 from pipeline.models.deferred import DeferredWeights
 from pipeline.models.inputs import make_example_inputs
 from pipeline.models.memory import decode_weight_bytes, human_bytes, human_count
@@ -26,8 +36,7 @@ def run(state: RunState) -> StageResult:
         state.deferred = DeferredWeights()
     model, report, source, metrics, notes = _weights(state, model_cls, skeleton)
     lm_paths = find_language_models(model, zoo.text_config_of(state.hf_config))
-    model = image_mask.prepare(text_calls.allow_text_calls(model), lm_paths[0] if len(lm_paths) == 1 else "")
-    state.model = model
+    state.model = model = _calls_prepared(model, lm_paths[0] if len(lm_paths) == 1 else "")
     prompt = state.cfg.prompt
     state.sources = sources_of(state.cfg.model.checkpoint, state.hf_config, skeleton, prompt.image_layout)
     processor = state.sources.processor if prompt.queries else state.sources.layout_processor
@@ -100,6 +109,15 @@ def _weights(state: RunState, model_cls: type, skeleton: nn.Module) -> tuple:
             "the linears the shard transform splits get only this rank's slice"
         )
     return model, report, source, metrics, notes
+
+
+def _calls_prepared(model: nn.Module, language_model: str) -> nn.Module:
+    """The model with the calls of a few families made what one captured graph takes (each a no-op
+    for the others): Chameleon's images become code ids before the forward, ERNIE-4.5-VL's MoE
+    layers route without a branch on the data, and a call without images of BLIP-2 or Kosmos-2
+    (whose forwards want them every call) gets none."""
+    model = vision_experts.prepare(vq_codes.prepare(model))
+    return image_mask.prepare(text_calls.allow_text_calls(model), language_model)
 
 
 def _examples(state: RunState, skeleton: nn.Module) -> list[str]:
