@@ -107,9 +107,12 @@ def transform_context(
     return TransformContext(attention, page_size, torch.device(device), hf_config)
 
 
-def build_tiny(name: str, seed: int = 0, device: str = "cpu", attn_implementation: str | None = None):
-    """(model, hf_config, example inputs) for a tiny model, float32 (on CPU unless told)."""
-    cfg = compose_cfg([f"model={name}", f"seed={seed}"])
+def build_tiny(
+    name: str, seed: int = 0, device: str = "cpu", attn_implementation: str | None = None, overrides=()
+):
+    """(model, hf_config, example inputs) for a tiny model, float32 (on CPU unless told);
+    overrides: more Hydra overrides of its config."""
+    cfg = compose_cfg([f"model={name}", f"seed={seed}", *overrides])
     hf_config = zoo.build_hf_config(cfg.model)
     model_cls = zoo.resolve_model_class(cfg.model, hf_config)
     model, _ = build.build_random(
