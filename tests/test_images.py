@@ -99,16 +99,21 @@ def test_a_family_whose_images_cannot_be_prepared_is_refused_for_image_requests(
 
 def test_whether_a_model_takes_images_comes_from_its_class():
     """Fuyu embeds image patches with one linear layer and has no vision_config: still a VLM, its
-    images cut into patches by its own rule; Chameleon (VQ codes, no vision_config, no rule here)
-    is a VLM whose images are refused for want of sizes rather than left out; Gemma 3's text-only
-    config is no VLM although Gemma 3 is a VLM family."""
+    images cut into patches by its own rule; Chameleon (VQ codes, no vision_config) is a VLM whose
+    images are sized by its VQ-GAN's resolution, and without a VQ config either its images are
+    refused for want of sizes rather than left out; Gemma 3's text-only config is no VLM although
+    Gemma 3 is a VLM family."""
     from transformers import ChameleonConfig, FuyuConfig, Gemma3TextConfig, LlamaConfig, Qwen3VLConfig
 
     assert zoo.is_vlm(FuyuConfig()) and getattr(FuyuConfig(), "vision_config", None) is None
     assert images.unsupported(FuyuConfig()) is None
     assert zoo.is_vlm(Qwen3VLConfig())
     assert not zoo.is_vlm(LlamaConfig()) and not zoo.is_vlm(Gemma3TextConfig())
-    assert "no vision_config" in images.unsupported(ChameleonConfig())
+    chameleon = ChameleonConfig()
+    assert zoo.is_vlm(chameleon) and images.unsupported(chameleon) is None
+    assert images.default_image_size(chameleon) == chameleon.vq_config.resolution
+    chameleon.vq_config = None
+    assert "no vision_config (nor vq_config)" in images.unsupported(chameleon)
 
 
 @pytest.mark.parametrize("name", ["tiny_llava", "tiny_fuyu"])
