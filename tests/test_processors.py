@@ -615,3 +615,32 @@ def test_the_generic_layout_is_taken_by_name_and_said(tmp_path):
             assert sum(f"prompt.image_layout={layout}" in note for note in notes) == 1
     with staged(["model=tiny_qwen3"], "load", tmp_path / "text") as state:
         assert not any("prompt.image_layout" in note for note in state.stages[-1].notes)
+
+
+def test_a_text_the_familys_processor_refuses_alone_is_its_chat_template_tokenized(
+    processor_folders, pictures, tmp_path
+):
+    """PaliGemma's processor refuses a text without images, as Hugging Face's does: a text chat of
+    its folder is the chat template's text in the folder's tokenizer's ids, not a refusal; an image
+    chat is still the processor's."""
+    from transformers import AutoProcessor
+
+    folder = processor_folders["tiny_paligemma"]
+    messages = _mixed_batch(pictures)[:2]
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    texts = [processor.apply_chat_template(chat, add_generation_prompt=True) for chat in messages]
+    with pytest.raises(ValueError):
+        processor(text=[texts[0]], return_tensors="pt")
+    image = [Image.open(pictures[0]).convert("RGB")]
+    want = [
+        processor.tokenizer(texts[0], add_special_tokens=False)["input_ids"],
+        processor(text=[texts[1]], images=image, return_tensors="pt")["input_ids"][0].tolist(),
+    ]
+    with staged(_folder_queries(folder, messages, "none"), "load", tmp_path) as state:
+        cfg = state.cfg
+        requests = build_requests(
+            cfg.prompt, cfg.runtime, cfg.seed, state.hf_config, torch.float32, state.device, state.sources,
+            chunked=False,
+        )  # fmt: skip
+    assert [r.prompt for r in requests] == want
+    assert not requests[0].images and requests[1].images

@@ -143,6 +143,11 @@ def _carried(key: str, hf_config, model) -> bool:
     return key == "cross_attention_mask" and cross_attention.takes_vision_states(model)
 
 
+class LayoutRefused(ConfigError):
+    """The family's processor refuses the request's layout (Fuyu's: one image a prompt; PaliGemma's:
+    a text without images)."""
+
+
 def processed(processor, hf_config, text: str, images: list, skeleton, dtype, device):
     """One chat request as the family's processor makes it: (ids, pixel tensors, per-token tensors
     [S, ...], [start, end) of each image's tokens). Every tensor it returns that the model's
@@ -152,7 +157,7 @@ def processed(processor, hf_config, text: str, images: list, skeleton, dtype, de
         out = processor(text=[text], images=images or None, return_tensors="pt")
     except ValueError as exc:  # a layout the family's processor refuses (Fuyu's: one image a prompt)
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
-        raise ConfigError(
+        raise LayoutRefused(
             f"{type(processor).__name__} cannot make this request of {len(images)} image(s): {first[:240]}"
         ) from None
     ids = out["input_ids"][0].tolist()

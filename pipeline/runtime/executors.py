@@ -69,6 +69,8 @@ PREFILL_TOKEN_INPUTS = (image_mask.MASK, vision_experts.TYPES)
 def _packed(key: str, pieces: list[tuple[dict[str, torch.Tensor], int, int]]) -> torch.Tensor | None:
     """[1, T]: a packed step's values of one per-token input, each (request's token inputs, start,
     end) piece's slice of its request's (zeros for a request without it); None when all are 0."""
+    if not any(key in inputs for inputs, _, _ in pieces):  # most families: no such input at all
+        return None
     rows = [
         inputs[key][start:end] if key in inputs else torch.zeros(end - start, dtype=torch.long)
         for inputs, start, end in pieces
@@ -261,7 +263,8 @@ class EagerExecutor:
         self.last_logits_only = {"logits_to_keep": 1} if supports is not None and supports() else {}
         lm_paths = find_language_models(model, getattr(hf_config, "text_config", None) or hf_config)
         # a plain token: a model that counts its own positions skips padding (Kosmos-2's)
-        plain = next(i for i in itertools.count() if i not in special_ids(hf_config) | {pad_id})
+        special = special_ids(hf_config) | {pad_id}
+        plain = next(i for i in itertools.count() if i not in special)
         offset = probe.first_position(
             model, lm_paths[0] if len(lm_paths) == 1 else "", torch.tensor([[plain]], device=device)
         )

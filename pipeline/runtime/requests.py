@@ -23,7 +23,7 @@ from pipeline.errors import ConfigError
 from pipeline.models import families, image_mask, masks, zoo
 from pipeline.models import images as imaging
 from pipeline.models.inputs import cross_attention_rows, random_ids, special_ids
-from pipeline.models.processor import load_processor, processed
+from pipeline.models.processor import LayoutRefused, load_processor, processed
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.runtime import queries as query_forms
 
@@ -253,12 +253,17 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
     text = tokenizer.apply_chat_template(query.messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     images = [imaging.load_image(str(p)) for p in query.images]
-    if sources.processor is not None and (images or not _refuses_text(sources.processor)):
+    if sources.processor is not None:
         # a text alone too: the processor adds what it adds to any text (Kosmos-2's begin token)
-        prompt, pixels, per_token, spans = processed(
-            sources.processor, hf_config, text, images, sources.skeleton, dtype, device
-        )
-        return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans, token_inputs=per_token))
+        try:
+            prompt, pixels, per_token, spans = processed(
+                sources.processor, hf_config, text, images, sources.skeleton, dtype, device
+            )
+            return with_mask_spans(hf_config, Request(seq_id, prompt, pixels, spans, token_inputs=per_token))
+        except LayoutRefused:
+            if images:
+                raise
+            # a processor that refuses a text alone (PaliGemma's): the template's text, tokenized
     if not images:
         return with_mask_spans(hf_config, Request(seq_id, ids))
     if image_mask.by_mask(hf_config):
@@ -286,16 +291,6 @@ def _chat(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sourc
         prompt += tokens
         last = position + 1
     return with_mask_spans(hf_config, Request(seq_id, prompt + ids[last:], batch.kwargs, spans))
-
-
-def _refuses_text(processor) -> bool:
-    """Whether the processor refuses a text without images (PaliGemma's): such a text is the
-    tokenizer's ids of the chat template's text."""
-    try:
-        processor(text=["a"], return_tensors="pt")
-    except ValueError:
-        return True
-    return False
 
 
 def _from_query(query: query_forms.Query, seq_id: int, hf_config, dtype, device, sources: Sources) -> Request:
