@@ -24,7 +24,8 @@ $(VENV)/.installed: pyproject.toml $(PINNED)
 run: setup
 	$(PY) -m pipeline model=mistral3 capture=partial $(ARGS)
 
-# Two workers: most end-to-end tests wait on a subprocess's start-up more than they compute. Every
+# Two workers, each test process's torch on its share of the cores (tests/conftest.py): most
+# end-to-end tests wait on a subprocess's start-up more than they compute. Every
 # test has a time limit (pyproject.toml: pytest-timeout), and the processes it started end with it.
 # `make test`: every test not marked slow or browser; `make test-all`: the whole suite (whole runs,
 # sweeps, ranks, the browser, the bench), what CI runs, with its 30 slowest tests listed;

@@ -18,6 +18,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+# Each test process's torch (a worker's, and every run and rank it starts: they inherit the
+# variable) takes its share of the cores: two workers with the machine's threads each oversubscribe
+# them, and OpenMP's spinning waits made tests/test_runtime.py take half as long again on 2 cores.
+# Set in each worker (never in xdist's controller, whose environment the workers inherit) before
+# torch is imported, which reads it then.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault(
+        "OMP_NUM_THREADS",
+        str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))),
+    )
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it is chosen when a

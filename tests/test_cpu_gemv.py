@@ -36,9 +36,18 @@ def test_gemv_is_f_linear(rows, n, k):
     _close(cpu_gemv.gemv(x, weight), F.linear(x, weight))
 
 
+@pytest.fixture(params=[1, 3])
+def threads(request):
+    """One thread, and three splitting K unevenly (the suite's workers run with one each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize(("k", "n"), [(256, 64), (301, 77), (7, 40), (130, 5)])  # K % 4 (per thread), N % 16
-def test_gemv_kn_is_matmul(rows, k, n):
+def test_gemv_kn_is_matmul(rows, k, n, threads):
     """weight [K, N] (Llama-4's experts): x @ weight, each thread's rows of K summed apart."""
     g = torch.Generator().manual_seed(k * 1000 + n + rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
